@@ -1,0 +1,39 @@
+# `make test` and `make demo` do all set-up on a fresh machine: venv, dependencies, Cython build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install build test test-cython test-pure demo bench clean
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip setuptools wheel cython numpy
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Rebuild the extension in place whenever a .pyx changed (cheap when nothing did).
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(MAKE) test-cython
+	$(MAKE) test-pure
+
+test-cython:
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+test-pure:
+	DSTL_PUREPYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+demo: build
+	$(PY) -m dstl demo
+
+bench: build
+	$(PY) bench/report.py
+
+clean:
+	rm -rf build dstl/_fast/*.c dstl/_fast/*.so

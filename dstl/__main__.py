@@ -1,0 +1,5 @@
+import sys
+
+from dstl.cli import main
+
+sys.exit(main())

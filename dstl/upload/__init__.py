@@ -1,0 +1,1 @@
+"""Upload machinery: tasks, uploader, retries, schedulers (direct, batching) and the process service."""

@@ -1,0 +1,26 @@
+"""Builds the Cython hot path in dstl/_fast (each module has a pure-Python twin in dstl/)."""
+import glob
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension(
+        "dstl._fast." + os.path.splitext(os.path.basename(path))[0],
+        [path],
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=["-O3"],
+    )
+    for path in sorted(glob.glob("dstl/_fast/*.pyx"))
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    ),
+)

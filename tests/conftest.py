@@ -1,0 +1,113 @@
+"""Shared fixtures: the implementation in use, moto's S3 server on 127.0.0.1, one SparkSession."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+FIXTURES = os.path.join(SHARED, "fixtures", "flink")
+
+
+def expected_implementation() -> str:
+    """What `make test` asked for: the twins under DSTL_PUREPYTHON=1, else the Cython extension."""
+    return "python" if os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0") else "cython"
+
+
+def pytest_report_header(config):
+    import dstl
+
+    return f"dstl implementation: {dstl.IMPLEMENTATION} (expected {expected_implementation()})"
+
+
+@pytest.fixture(scope="session")
+def flink_fixtures() -> str:
+    if not os.path.isdir(FIXTURES):
+        pytest.fail(f"Flink fixtures not found at {FIXTURES} (shared/ must sit beside the repo)")
+    return FIXTURES
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (as s3fs's own suite does); yields its endpoint URL.
+
+    The endpoint and fake credentials go into the environment, so s3fs in this process, in
+    subprocesses and in Spark's Python workers all reach it with plain `s3://bucket/...` URLs.
+    """
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in (
+        "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update({
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+    })
+    import fsspec
+
+    fsspec.config.conf.setdefault("s3", {})["client_kwargs"] = {"endpoint_url": endpoint}
+    try:
+        yield endpoint
+    finally:
+        fsspec.config.conf.get("s3", {}).pop("client_kwargs", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket on the moto server; yields `s3://<bucket>`."""
+    import uuid
+
+    import s3fs
+
+    name = f"dstl-test-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server}, skip_instance_cache=True)
+    fs.mkdir(name)
+    yield f"s3://{name}"
+    try:
+        fs.rm(name, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession for the whole suite (JVM start-up is the expensive part)."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("dstl-tests")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.task.maxFailures", "4")
+        .getOrCreate()
+    )
+    try:
+        yield session
+    finally:
+        session.stop()
