@@ -1,0 +1,26 @@
+"""State on the changelog: keyed state, operator state (FLIP-8), materialization, checkpoint metadata."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict
+
+_EXPORTS: Dict[str, str] = {
+    "KeyedStateBackend": "dstl.state.keyed", "ValueState": "dstl.state.keyed",
+    "ListState": "dstl.state.keyed", "MapState": "dstl.state.keyed",
+    "ReducingState": "dstl.state.keyed",
+    "OperatorListState": "dstl.state.operator", "OperatorStateHandle": "dstl.state.operator",
+    "repartition": "dstl.state.operator",
+    "CheckpointMetadata": "dstl.state.metadata", "SubtaskState": "dstl.state.metadata",
+    "write_checkpoint": "dstl.state.metadata", "read_checkpoint": "dstl.state.metadata",
+    "latest_checkpoint": "dstl.state.metadata",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dstl.state' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
