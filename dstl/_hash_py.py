@@ -294,6 +294,9 @@ def operator_indices(key_groups: np.ndarray, max_parallelism: int, parallelism: 
     kg = np.asarray(key_groups)
     if kg.dtype.kind not in "iu":
         raise TypeError(f"key groups must be an integer array, got dtype {kg.dtype}")
+    if kg.dtype == np.uint64 and kg.size and kg.max() > np.uint64(INT64_MAX):
+        i = int(np.flatnonzero(kg > np.uint64(INT64_MAX))[0])
+        raise ValueError(f"key group {int(kg[i])} at row {i} is outside 0..{max_parallelism - 1}")
     kg = kg.astype(np.int64, copy=False)
     bad = np.flatnonzero((kg < 0) | (kg >= max_parallelism))
     if bad.size:
