@@ -1,0 +1,324 @@
+"""Storage options (OPTIONS.md): Flink's keys in both spellings, Flink's value syntax, validation."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+PREFIX = "dstl.dfs."
+PREFIX_2X = "state.changelog.dstl.dfs."
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+
+KIB = 1024
+MIB = 1024 * 1024
+
+_DURATION_UNITS_MS: Dict[str, Tuple[int, int]] = {}  # label -> (numerator, denominator) to ms
+for _labels, _ratio in (
+    (("d", "day", "days"), (86_400_000, 1)),
+    (("h", "hour", "hours"), (3_600_000, 1)),
+    (("min", "m", "minute", "minutes"), (60_000, 1)),
+    (("s", "sec", "secs", "second", "seconds"), (1_000, 1)),
+    (("ms", "milli", "millis", "millisecond", "milliseconds"), (1, 1)),
+    (("\u00b5s", "micro", "micros", "microsecond", "microseconds"), (1, 1_000)),
+    (("ns", "nano", "nanos", "nanosecond", "nanoseconds"), (1, 1_000_000)),
+):
+    for _label in _labels:
+        _DURATION_UNITS_MS[_label] = _ratio
+
+_MEMORY_UNITS: Dict[str, int] = {}
+for _labels, _factor in (
+    (("b", "bytes"), 1),
+    (("k", "kb", "kibibytes"), 1 << 10),
+    (("m", "mb", "mebibytes"), 1 << 20),
+    (("g", "gb", "gibibytes"), 1 << 30),
+    (("t", "tb", "tebibytes"), 1 << 40),
+):
+    for _label in _labels:
+        _MEMORY_UNITS[_label] = _factor
+
+# ASCII digits only: str.isdigit() would accept '²' and other Unicode digits.
+_AMOUNT = re.compile(r"([0-9]+)(.*)", re.DOTALL)
+
+
+def _bad(key: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"invalid value {value!r} for option {key!r}: {why}")
+
+
+def _split_amount(value: str, key: str, kind: str) -> Tuple[int, str]:
+    text = value.strip()
+    m = _AMOUNT.fullmatch(text)
+    if not m:
+        raise _bad(key, value, f"expected a {kind} like '<digits>[ ]<unit>'")
+    number = int(m.group(1))
+    if number > INT64_MAX:
+        raise _bad(key, value, "the number does not fit in a 64-bit signed integer")
+    return number, m.group(2).strip().lower()  # lower(), not casefold(): keeps 'µ'
+
+
+def parse_duration_ms(value: Any, key: str = "duration") -> int:
+    """A Flink Duration (`"10 ms"`, `"1s"`, `"155"`, int ms, `timedelta`) in whole milliseconds."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise _bad(key, value, "a duration must be a string, an int (ms) or a datetime.timedelta")
+    if isinstance(value, int):
+        ms = value
+    elif isinstance(value, datetime.timedelta):
+        ms = value // datetime.timedelta(milliseconds=1)
+    elif isinstance(value, str):
+        number, unit = _split_amount(value, key, "duration")
+        if unit == "":
+            ratio = (1, 1)
+        elif unit in _DURATION_UNITS_MS:
+            ratio = _DURATION_UNITS_MS[unit]
+        else:
+            raise _bad(key, value, f"unknown time unit {unit!r} (use d, h, min/m, s, ms, \u00b5s, ns)")
+        ms = number * ratio[0] // ratio[1]
+    else:
+        raise _bad(key, value, f"a duration must be a string, an int (ms) or a timedelta, "
+                               f"not {type(value).__name__}")
+    if ms < 0:
+        raise _bad(key, value, "a duration must not be negative")
+    if ms > INT64_MAX:
+        raise _bad(key, value, "the duration in milliseconds overflows a 64-bit signed integer")
+    return ms
+
+
+def parse_memory_size(value: Any, key: str = "memory size") -> int:
+    """A Flink MemorySize (`"5mb"`, `"64kb"`, `"1024"`, int bytes) in bytes (binary units)."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise _bad(key, value, "a memory size must be a string or an int (bytes)")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        number, unit = _split_amount(value, key, "memory size")
+        if unit == "":
+            factor = 1
+        elif unit in _MEMORY_UNITS:
+            factor = _MEMORY_UNITS[unit]
+        else:
+            raise _bad(key, value, f"unknown memory unit {unit!r} (use b, kb, mb, gb, tb)")
+        size = number * factor
+    else:
+        raise _bad(key, value, f"a memory size must be a string or an int, not {type(value).__name__}")
+    if size < 0:
+        raise _bad(key, value, "a memory size must not be negative")
+    if size > INT64_MAX:
+        raise _bad(key, value, "the size in bytes overflows a 64-bit signed integer")
+    return size
+
+
+def parse_bool(value: Any, key: str = "boolean") -> bool:
+    """`True`/`False` or the strings "true"/"false" in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "false"):
+            return text == "true"
+    raise _bad(key, value, "expected true or false")
+
+
+def parse_int(value: Any, key: str = "integer") -> int:
+    """An int (not bool) or a decimal string; must fit in a Java int, as Flink's int options do."""
+    if isinstance(value, bool):
+        raise _bad(key, value, "expected an integer, not a bool")
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+        result = int(value.strip())
+    else:
+        raise _bad(key, value, "expected an integer")
+    if not -2**31 <= result <= INT32_MAX:
+        raise _bad(key, value, "the integer does not fit in 32 bits")
+    return result
+
+
+def _enum(*allowed: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, key: str) -> str:
+        if not isinstance(value, str) or value not in allowed:
+            raise _bad(key, value, "expected one of " + ", ".join(allowed) + " (exact, lower case)")
+        return value
+    return parse
+
+
+def _path(value: Any, key: str) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(key, value, "expected a non-empty path or fsspec URL")
+    return value
+
+
+@dataclass(frozen=True)
+class _Option:
+    suffix: str
+    field: str
+    parse: Callable[[Any, str], Any]
+    kind: str  # for docs and to_mapping(as_strings=True)
+
+
+OPTIONS: Tuple[_Option, ...] = (
+    _Option("base-path", "base_path", _path, "string"),
+    _Option("compression.enabled", "compression_enabled", parse_bool, "bool"),
+    _Option("compression.codec", "compression_codec", _enum("snappy", "zstd"), "enum"),
+    _Option("preemptive-persist-threshold", "preemptive_persist_threshold", parse_memory_size, "memory"),
+    _Option("batch.persist-delay", "persist_delay_ms", parse_duration_ms, "duration"),
+    _Option("batch.persist-size-threshold", "persist_size_threshold", parse_memory_size, "memory"),
+    _Option("upload.buffer-size", "upload_buffer_size", parse_memory_size, "memory"),
+    _Option("upload.num-threads", "upload_num_threads", parse_int, "int"),
+    _Option("discard.num-threads", "discard_num_threads", parse_int, "int"),
+    _Option("upload.max-in-flight", "max_in_flight", parse_memory_size, "memory"),
+    _Option("upload.retry-policy", "retry_policy", _enum("fixed", "none"), "enum"),
+    _Option("upload.timeout", "upload_timeout_ms", parse_duration_ms, "duration"),
+    _Option("upload.max-attempts", "max_attempts", parse_int, "int"),
+    _Option("upload.next-attempt-delay", "next_attempt_delay_ms", parse_duration_ms, "duration"),
+    _Option("download.local-cache.idle-timeout-ms", "cache_idle_timeout_ms", parse_duration_ms, "duration"),
+    _Option("upload.mode", "upload_mode", _enum("process", "thread", "direct"), "enum"),
+)
+_BY_SUFFIX = {o.suffix: o for o in OPTIONS}
+_BY_FIELD = {o.field: o for o in OPTIONS}
+# open_storage(..., batch_persist_delay="10 ms"): suffix with '.' and '-' replaced by '_'
+_BY_KWARG = {o.suffix.replace(".", "_").replace("-", "_"): o for o in OPTIONS}
+
+
+def canonical_key(field_or_suffix: str) -> str:
+    """`"persist_delay_ms"` or `"batch.persist-delay"` -> `"dstl.dfs.batch.persist-delay"`."""
+    opt = _BY_FIELD.get(field_or_suffix) or _BY_SUFFIX.get(field_or_suffix)
+    if opt is None:
+        raise KeyError(field_or_suffix)
+    return PREFIX + opt.suffix
+
+
+def _suffix_of(key: str) -> Optional[str]:
+    for prefix in (PREFIX_2X, PREFIX):  # the 2.x prefix contains the 1.x one: test it first
+        if key.startswith(prefix):
+            suffix = key[len(prefix):]
+            return suffix if suffix in _BY_SUFFIX else None
+    return None
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Validated options of one `FsStateChangelogStorage`; sizes in bytes, durations in ms."""
+
+    base_path: str
+    compression_enabled: bool = False
+    compression_codec: str = "snappy"
+    preemptive_persist_threshold: int = 5 * MIB
+    persist_delay_ms: int = 10
+    persist_size_threshold: int = 10 * MIB
+    upload_buffer_size: int = 1 * MIB
+    upload_num_threads: int = 5
+    discard_num_threads: int = 1
+    max_in_flight: int = 100 * MIB
+    retry_policy: str = "fixed"
+    upload_timeout_ms: int = 1000
+    max_attempts: int = 3
+    next_attempt_delay_ms: int = 500
+    cache_idle_timeout_ms: int = 600_000
+    upload_mode: str = "thread"  # "process" becomes the default once the upload service lands
+
+    def __post_init__(self) -> None:
+        # Direct construction goes through the same parsers, so Flink strings work here too.
+        for opt in OPTIONS:
+            key = PREFIX + opt.suffix
+            parsed = opt.parse(getattr(self, opt.field), key)
+            object.__setattr__(self, opt.field, parsed)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid value {getattr(self, field)!r} for option "
+                                 f"{canonical_key(field)!r}: {why}")
+
+        need(1 <= self.upload_buffer_size <= INT32_MAX, "upload_buffer_size", "must be 1 .. 2^31-1 bytes")
+        need(self.upload_num_threads >= 1, "upload_num_threads", "must be >= 1")
+        need(self.discard_num_threads >= 1, "discard_num_threads", "must be >= 1")
+        need(self.max_in_flight >= 1, "max_in_flight", "must be >= 1 byte")
+        need(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        if self.persist_size_threshold > self.max_in_flight:
+            raise ValueError(
+                f"option {canonical_key('persist_size_threshold')!r} ({self.persist_size_threshold} bytes) "
+                f"must be <= {canonical_key('max_in_flight')!r} ({self.max_in_flight} bytes)")
+
+    @property
+    def compression(self) -> Optional[str]:
+        """The codec to write with, or None when compression is disabled."""
+        return self.compression_codec if self.compression_enabled else None
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "StorageConfig":
+        """Build from Flink option keys (`dstl.dfs.*` or `state.changelog.dstl.dfs.*`)."""
+        if isinstance(mapping, StorageConfig):
+            return mapping
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"options must be a mapping of option keys, got {type(mapping).__name__}")
+        values: Dict[str, Any] = {}
+        seen_key: Dict[str, str] = {}
+        for key, raw in mapping.items():
+            if not isinstance(key, str):
+                raise ValueError(f"option keys must be strings, got {key!r}")
+            suffix = _suffix_of(key)
+            if suffix is None:
+                raise ValueError(f"unknown option {key!r} (dstl options are {PREFIX}<suffix> or "
+                                 f"{PREFIX_2X}<suffix>; suffixes: {', '.join(_BY_SUFFIX)})")
+            opt = _BY_SUFFIX[suffix]
+            parsed = opt.parse(raw, key)
+            if opt.field in values and values[opt.field] != parsed:
+                raise ValueError(f"conflicting values for one option: {seen_key[opt.field]!r} = "
+                                 f"{mapping[seen_key[opt.field]]!r} and {key!r} = {raw!r}")
+            values[opt.field] = parsed
+            seen_key[opt.field] = key
+        if "base_path" not in values:
+            raise ValueError(f"missing required option {PREFIX}base-path (or {PREFIX_2X}base-path)")
+        return cls(**values)
+
+    @classmethod
+    def from_options(cls, base_path: Any = None, **options: Any) -> "StorageConfig":
+        """Keyword form: suffixes with '.'/'-' as '_' (`batch_persist_delay="10 ms"`) or field names."""
+        mapping: Dict[str, Any] = {}
+        if base_path is not None:
+            mapping[PREFIX + "base-path"] = base_path
+        for name, value in options.items():
+            opt = _BY_KWARG.get(name) or _BY_FIELD.get(name)
+            if opt is None:
+                raise ValueError(f"unknown option {name!r} (use e.g. batch_persist_delay, upload_mode)")
+            key = PREFIX + opt.suffix
+            if key in mapping and opt.parse(mapping[key], key) != opt.parse(value, key):
+                raise ValueError(f"option {key!r} given twice with different values")
+            mapping[key] = value
+        return cls.from_mapping(mapping)
+
+    @classmethod
+    def of(cls, config: Any) -> "StorageConfig":
+        """A StorageConfig as is, or one built from a mapping of option keys."""
+        return config if isinstance(config, StorageConfig) else cls.from_mapping(config)
+
+    def to_mapping(self, as_strings: bool = False) -> Dict[str, Any]:
+        """Canonical `dstl.dfs.*` keys; `as_strings=True` writes Flink syntax ("10 ms", "5242880 b")."""
+        out: Dict[str, Any] = {}
+        for opt in OPTIONS:
+            value = getattr(self, opt.field)
+            if as_strings:
+                if opt.kind == "duration":
+                    value = f"{value} ms"
+                elif opt.kind == "memory":
+                    value = f"{value} b"
+                elif opt.kind == "bool":
+                    value = "true" if value else "false"
+                elif opt.kind == "int":
+                    value = str(value)
+            out[PREFIX + opt.suffix] = value
+        return out
+
+    def replace(self, **changes: Any) -> "StorageConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+__all__ = ["StorageConfig", "parse_duration_ms", "parse_memory_size", "parse_bool", "parse_int",
+           "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X"]
