@@ -46,6 +46,19 @@ def byte_view(data, what: str = "change data") -> memoryview:
     return mv.cast("B") if mv.ndim <= 1 else mv.cast("B", (mv.nbytes,))
 
 
+def writable_view(out) -> memoryview:
+    """A flat writable byte view of `out` (TypeError when it is not a writable contiguous buffer)."""
+    try:
+        mv = memoryview(out)
+    except TypeError:
+        raise TypeError(f"out must be a writable buffer, got {type(out).__name__}") from None
+    if mv.readonly:
+        raise TypeError("out must be a writable buffer, got a read-only one")
+    if not mv.c_contiguous:
+        raise TypeError("out must be a contiguous buffer")
+    return mv.cast("B") if mv.ndim <= 1 else mv.cast("B", (mv.nbytes,))
+
+
 def _int_array(values, what: str) -> np.ndarray:
     arr = values
     if hasattr(values, "null_count") and hasattr(values, "to_numpy"):  # pyarrow (Chunked)Array
@@ -218,16 +231,8 @@ class ChangeBuffer:
 
     def seal_into(self, out, pos: int = 0) -> int:
         """Write the body into the writable buffer `out` at `pos`; returns its length and empties the buffer."""
-        try:
-            mv = memoryview(out)
-        except TypeError:
-            raise TypeError(f"out must be a writable buffer, got {type(out).__name__}") from None
-        if mv.readonly:
-            raise TypeError("out must be a writable buffer, got a read-only one")
-        if not mv.c_contiguous:
-            raise TypeError("out must be a contiguous buffer")
-        mv = mv.cast("B") if mv.ndim <= 1 else mv.cast("B", (mv.nbytes,))
-        pos = int(pos)
+        mv = writable_view(out)
+        pos = pos.__index__()
         need = self.encoded_size
         if pos < 0 or pos + need > mv.nbytes:
             raise ValueError(f"seal_into: {need} bytes do not fit at position {pos} of a {mv.nbytes}-byte buffer")

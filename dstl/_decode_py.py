@@ -5,6 +5,7 @@ naming the logical offset where the offending field starts.
 """
 from __future__ import annotations
 
+import gc
 import struct
 from typing import List, NamedTuple, Tuple
 
@@ -128,7 +129,13 @@ def decode_change_set(logical, offset: int = 0, key_group_range=None) -> Tuple[L
     lo, hi = range_bounds(key_group_range)
     out: List[StateChange] = []
     append = out.append
-    end, _, _, _, _ = _scan(mv, pos, lo, hi, lambda kg, s, n: append(make_change(kg, bytes(mv[s:s + n]))))
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the cyclic GC would otherwise rescan the growing list every few hundred objects
+    try:
+        end, _, _, _, _ = _scan(mv, pos, lo, hi, lambda kg, s, n: append(make_change(kg, bytes(mv[s:s + n]))))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return out, end
 
 

@@ -1,0 +1,382 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Cython change buffer: appends go into one malloc arena plus int arrays (key group, offset,
+length); `seal` is a counting sort by key group followed by one scatter copy into the body.
+
+`append_many` on an immutable source (bytes, pyarrow.Buffer, or a memoryview of either) keeps a
+reference instead of copying: the payload is then copied exactly once, by `seal`. Records are
+organised in runs; a run's payload lives in the arena or in one such source.
+
+Twin: dstl/_buffer_py.py (byte-identical output, same errors; `coerce_many` is shared).
+"""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_CheckExact
+from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy, memset
+
+import numpy as np
+
+from dstl._buffer_py import byte_view, check_key_group, coerce_many, writable_view
+
+cdef enum:
+    NSLOTS = 32769          # key groups -1..32767, slot = kg + 1
+    KEEP_ARENA = 8 << 20    # clear() keeps at most this much arena for reuse
+
+cdef int64_t INT32_MAX = 2147483647
+
+
+cdef inline void put_be32(unsigned char* p, int32_t value) noexcept nogil:
+    cdef uint32_t v = <uint32_t>value
+    p[0] = <unsigned char>(v >> 24)
+    p[1] = <unsigned char>(v >> 16)
+    p[2] = <unsigned char>(v >> 8)
+    p[3] = <unsigned char>v
+
+
+def _immutable(data):
+    """Whether `data` can be referenced instead of copied (nobody can change it afterwards)."""
+    if type(data) is bytes:
+        return True
+    if type(data) is memoryview:
+        return data.readonly and type(data.obj) is bytes
+    cls = type(data)
+    return cls.__name__ == "Buffer" and cls.__module__ == "pyarrow.lib"  # Arrow memory is immutable
+
+
+cdef class ChangeBuffer:
+    """Accumulates changes and seals them into one canonical change-set body (FORMAT.md §4)."""
+
+    cdef unsigned char* arena
+    cdef int64_t arena_len, arena_cap
+    cdef int32_t* kgs
+    cdef int64_t* offs
+    cdef int32_t* lens
+    cdef int64_t n, cap
+    cdef int64_t* counts        # per slot, allocated with the first change
+    cdef int64_t num_groups
+    cdef int min_slot, max_slot
+    cdef int64_t payload
+    cdef bint busy
+    cdef int64_t* run_first     # first record index of each run
+    cdef const unsigned char** run_ptr   # payload base of each run; NULL = the arena
+    cdef int64_t nruns, runs_cap
+    cdef list sources           # keeps zero-copy sources (and their buffer exports) alive
+
+    def __cinit__(self):
+        self.arena = NULL
+        self.kgs = NULL
+        self.offs = NULL
+        self.lens = NULL
+        self.counts = NULL
+        self.arena_len = self.arena_cap = self.n = self.cap = 0
+        self.num_groups = 0
+        self.payload = 0
+        self.min_slot = NSLOTS
+        self.max_slot = -1
+        self.busy = False
+        self.run_first = NULL
+        self.run_ptr = NULL
+        self.nruns = self.runs_cap = 0
+        self.sources = []
+
+    def __dealloc__(self):
+        free(self.run_first)
+        free(<void*>self.run_ptr)
+        free(self.arena)
+        free(self.kgs)
+        free(self.offs)
+        free(self.lens)
+        free(self.counts)
+
+    cdef int _reserve(self, int64_t records, int64_t nbytes) except -1:
+        cdef int64_t want, new_cap
+        cdef void* p
+        if self.counts == NULL:
+            self.counts = <int64_t*>malloc(NSLOTS * sizeof(int64_t))
+            if self.counts == NULL:
+                raise MemoryError()
+            memset(self.counts, 0, NSLOTS * sizeof(int64_t))
+        want = self.n + records
+        if want > self.cap:
+            new_cap = self.cap * 2 if self.cap else 1024
+            if new_cap < want:
+                new_cap = want
+            p = realloc(self.kgs, new_cap * sizeof(int32_t))
+            if p == NULL:
+                raise MemoryError()
+            self.kgs = <int32_t*>p
+            p = realloc(self.lens, new_cap * sizeof(int32_t))
+            if p == NULL:
+                raise MemoryError()
+            self.lens = <int32_t*>p
+            p = realloc(self.offs, new_cap * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError()
+            self.offs = <int64_t*>p
+            self.cap = new_cap
+        want = self.arena_len + nbytes
+        if want > self.arena_cap:
+            new_cap = self.arena_cap * 2 if self.arena_cap else 65536
+            if new_cap < want:
+                new_cap = want
+            p = realloc(self.arena, new_cap)
+            if p == NULL:
+                raise MemoryError()
+            self.arena = <unsigned char*>p
+            self.arena_cap = new_cap
+        return 0
+
+    cdef int _new_run(self, const unsigned char* base) except -1:
+        cdef int64_t new_cap
+        cdef void* p
+        if self.nruns and self.run_ptr[self.nruns - 1] == base and base == NULL:
+            return 0  # the arena run goes on
+        if self.nruns == self.runs_cap:
+            new_cap = self.runs_cap * 2 if self.runs_cap else 8
+            p = realloc(self.run_first, new_cap * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError()
+            self.run_first = <int64_t*>p
+            p = realloc(<void*>self.run_ptr, new_cap * sizeof(unsigned char*))
+            if p == NULL:
+                raise MemoryError()
+            self.run_ptr = <const unsigned char**>p
+            self.runs_cap = new_cap
+        self.run_first[self.nruns] = self.n
+        self.run_ptr[self.nruns] = base
+        self.nruns += 1
+        return 0
+
+    cdef inline void _count(self, int slot, int64_t k) noexcept nogil:
+        if self.counts[slot] == 0:
+            self.num_groups += 1
+            if slot < self.min_slot:
+                self.min_slot = slot
+            if slot > self.max_slot:
+                self.max_slot = slot
+        self.counts[slot] += k
+
+    cdef int _check_idle(self) except -1:
+        if self.busy:
+            raise RuntimeError("ChangeBuffer is being sealed by another thread")
+        return 0
+
+    def append(self, key_group, data):
+        """Add one change; `key_group` -1 is metadata."""
+        cdef long kg
+        cdef int overflow = 0
+        cdef const unsigned char* src
+        cdef Py_ssize_t length
+        cdef Py_buffer view
+        cdef bint have_view = False
+        if PyLong_CheckExact(key_group):
+            kg = PyLong_AsLongAndOverflow(key_group, &overflow)
+            if overflow or kg < -1 or kg > 32767:
+                check_key_group(key_group)  # raises the ValueError
+        else:
+            kg = check_key_group(key_group)
+        if self.busy:
+            self._check_idle()
+        if PyBytes_CheckExact(data):
+            src = <const unsigned char*>PyBytes_AS_STRING(data)
+            length = PyBytes_GET_SIZE(data)
+        else:
+            if isinstance(data, str):
+                byte_view(data)  # raises the twin's TypeError
+            try:
+                PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            except (TypeError, BufferError):
+                byte_view(data)  # raises the twin's TypeError
+                raise TypeError(f"change data must be a contiguous bytes-like object, got {type(data).__name__}")
+            have_view = True
+            src = <const unsigned char*>view.buf
+            length = view.len
+        try:
+            if length > INT32_MAX:
+                raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
+            self._reserve(1, length)
+            if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
+                self._new_run(NULL)
+            memcpy(self.arena + self.arena_len, src, length)
+            self.kgs[self.n] = <int32_t>kg
+            self.offs[self.n] = self.arena_len
+            self.lens[self.n] = <int32_t>length
+            self.n += 1
+            self.arena_len += length
+            self.payload += length
+            self._count(kg + 1, 1)
+        finally:
+            if have_view:
+                PyBuffer_Release(&view)
+
+    def append_many(self, key_groups, data, offsets):
+        """Add n changes given in Arrow's binary layout (key groups, one data buffer, n+1 offsets); all-or-nothing."""
+        kg_arr, data_view, off_arr = coerce_many(key_groups, data, offsets)
+        cdef const int32_t[::1] k = np.ascontiguousarray(kg_arr, dtype=np.int32)
+        cdef const int64_t[::1] o = np.ascontiguousarray(off_arr, dtype=np.int64)
+        cdef int64_t m = k.shape[0]
+        cdef int64_t i, first, nbytes, base, shift, n0
+        cdef int32_t kv
+        cdef Py_buffer view
+        cdef bint by_reference = _immutable(data)
+        if m == 0:
+            return
+        self._check_idle()
+        first = o[0]
+        nbytes = o[m] - first
+        PyObject_GetBuffer(data_view, &view, PyBUF_SIMPLE)
+        try:
+            n0 = self.n
+            if by_reference:
+                # data_view holds the source's buffer export, so view.buf stays valid while it is listed
+                self._reserve(m, 0)
+                self._new_run(<const unsigned char*>view.buf)
+                self.sources.append(data_view)
+                shift = 0
+                nbytes = 0
+            else:
+                self._reserve(m, nbytes)
+                self._new_run(NULL)
+                shift = self.arena_len - first
+            base = self.arena_len
+            with nogil:
+                if nbytes:
+                    memcpy(self.arena + base, (<const unsigned char*>view.buf) + first, nbytes)
+                for i in range(m):
+                    kv = k[i]
+                    self.kgs[n0 + i] = kv
+                    self.offs[n0 + i] = o[i] + shift
+                    self.lens[n0 + i] = <int32_t>(o[i + 1] - o[i])
+                    self._count(kv + 1, 1)
+            self.n += m
+            self.arena_len += nbytes
+            self.payload += o[m] - first
+        finally:
+            PyBuffer_Release(&view)
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def size(self):
+        """Payload bytes held (FORMAT.md §2 size)."""
+        return self.payload
+
+    @property
+    def encoded_size(self):
+        """Length of the body `seal()` would return: 4 + 8·G + 4·C + size."""
+        return 4 + 8 * self.num_groups + 4 * self.n + self.payload
+
+    def key_groups(self):
+        """Distinct key groups held, in canonical (group) order."""
+        cdef int slot
+        if self.counts == NULL:
+            return []
+        return [slot - 1 for slot in range(self.min_slot, self.max_slot + 1) if self.counts[slot]]
+
+    cdef int _write(self, unsigned char* dst) except -1:
+        """Counting sort by key group: group starts from the counts, then one scatter pass."""
+        cdef int64_t span, i, p, slot, c, r, stop
+        cdef int64_t* cursor
+        cdef const unsigned char* src
+        cdef int lo = self.min_slot
+        put_be32(dst, <int32_t>self.num_groups)
+        if self.n == 0:
+            return 0
+        span = self.max_slot - lo + 1
+        cursor = <int64_t*>malloc(span * sizeof(int64_t))
+        if cursor == NULL:
+            raise MemoryError()
+        with nogil:
+            memset(cursor, 0, span * sizeof(int64_t))
+            for i in range(self.n):  # payload bytes per group
+                cursor[self.kgs[i] + 1 - lo] += self.lens[i]
+            p = 4
+            for slot in range(span):
+                c = self.counts[slot + lo]
+                if c:
+                    put_be32(dst + p, <int32_t>c)
+                    put_be32(dst + p + 4, <int32_t>(slot + lo - 1))
+                    c = p + 8 + 4 * c + cursor[slot]
+                    cursor[slot] = p + 8
+                    p = c
+            for r in range(self.nruns):  # append order kept inside each group
+                src = self.run_ptr[r] if self.run_ptr[r] != NULL else self.arena
+                stop = self.run_first[r + 1] if r + 1 < self.nruns else self.n
+                for i in range(self.run_first[r], stop):
+                    slot = self.kgs[i] + 1 - lo
+                    p = cursor[slot]
+                    put_be32(dst + p, self.lens[i])
+                    memcpy(dst + p + 4, src + self.offs[i], self.lens[i])
+                    cursor[slot] = p + 4 + self.lens[i]
+        free(cursor)
+        return 0
+
+    def seal(self):
+        """The canonical change-set body; the buffer is empty afterwards."""
+        self._check_idle()
+        cdef int64_t total = 4 + 8 * self.num_groups + 4 * self.n + self.payload
+        body = PyBytes_FromStringAndSize(NULL, total)
+        self.busy = True
+        try:
+            self._write(<unsigned char*>PyBytes_AS_STRING(body))
+        finally:
+            self.busy = False
+        self.clear()
+        return body
+
+    def seal_into(self, out, pos=0):
+        """Write the body into the writable buffer `out` at `pos`; returns its length and empties the buffer."""
+        cdef Py_buffer view
+        cdef int64_t need, start
+        self._check_idle()
+        try:
+            PyObject_GetBuffer(out, &view, PyBUF_WRITABLE)
+        except (TypeError, BufferError):
+            writable_view(out)  # raises the twin's TypeError
+            raise TypeError(f"out must be a writable contiguous buffer, got {type(out).__name__}")
+        pos = pos.__index__()
+        try:
+            start = pos
+            need = 4 + 8 * self.num_groups + 4 * self.n + self.payload
+            if start < 0 or start + need > view.len:
+                raise ValueError(
+                    f"seal_into: {need} bytes do not fit at position {start} of a {view.len}-byte buffer")
+            self.busy = True
+            try:
+                self._write((<unsigned char*>view.buf) + start)
+            finally:
+                self.busy = False
+        finally:
+            PyBuffer_Release(&view)
+        self.clear()
+        return need
+
+    def clear(self):
+        """Drop every change held."""
+        self._check_idle()
+        if self.counts != NULL and self.max_slot >= self.min_slot:
+            memset(self.counts + self.min_slot, 0, (self.max_slot - self.min_slot + 1) * sizeof(int64_t))
+        self.min_slot = NSLOTS
+        self.max_slot = -1
+        self.num_groups = 0
+        self.n = 0
+        self.payload = 0
+        self.arena_len = 0
+        self.nruns = 0
+        self.sources = []
+        if self.arena_cap > KEEP_ARENA:  # do not pin a large arena in an idle buffer
+            free(self.arena)
+            self.arena = NULL
+            self.arena_cap = 0
+            free(self.kgs)
+            free(self.offs)
+            free(self.lens)
+            self.kgs = NULL
+            self.offs = NULL
+            self.lens = NULL
+            self.cap = 0
+
+    def __repr__(self):
+        return f"ChangeBuffer(changes={self.n}, size={self.payload}, cython)"

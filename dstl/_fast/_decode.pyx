@@ -1,0 +1,278 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Cython change-set decoder (FORMAT.md §4, §8). Twin: dstl/_decode_py.py (same results, same errors).
+
+`scan` walks one change set in C, bounds-checking every field before reading it; the first pass
+validates and counts, the second fills the caller's arrays, so no count read from the input is
+ever turned into an allocation before the bytes behind it have been checked.
+"""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdlib cimport free, malloc
+
+import gc
+
+import numpy as np
+
+from dstl._decode_py import ChangeSetInfo, check_offset, logical_view, range_bounds
+from dstl.errors import CorruptChangelogError
+from dstl.types import StateChange
+
+cdef extern from "Python.h":
+    int PyObject_GenericSetAttr(object o, object name, object value) except -1
+
+cdef object _new = object.__new__
+cdef object _StateChange = StateChange
+cdef str _KG = "key_group"
+cdef str _DATA = "data"
+
+
+cdef enum Err:
+    OK = 0
+    TRUNC_G = 1
+    NEG_G = 2
+    BIG_G = 3
+    TRUNC_GROUP = 4
+    NEG_N = 5
+    BAD_KG = 6
+    BIG_N = 7
+    TRUNC_LEN = 8
+    NEG_LEN = 9
+    BIG_LEN = 10
+
+
+cdef struct Scan:
+    int64_t end          # offset just after the change set
+    int64_t groups
+    int64_t changes
+    int64_t size
+    int64_t kept         # changes inside the key-group filter (meta always kept)
+    int err
+    int64_t err_pos
+    int64_t err_val
+    int64_t err_rem
+
+
+cdef inline int32_t rd32(const unsigned char* p) noexcept nogil:
+    return <int32_t>((<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3])
+
+
+cdef inline int fail(Scan* r, int code, int64_t pos, int64_t val, int64_t rem) noexcept nogil:
+    r.err = code
+    r.err_pos = pos
+    r.err_val = val
+    r.err_rem = rem
+    return code
+
+
+cdef int scan(const unsigned char* buf, int64_t end, int64_t pos, int lo, int hi, Scan* r,
+              int32_t* okg, int64_t* ooff, int64_t* olen, int32_t* ogroups) noexcept nogil:
+    """Walk the change set at `pos`; fills the output arrays (when not NULL) with kept changes."""
+    cdef int64_t groups, g, count, j, p, n, k = 0
+    cdef int32_t kg
+    cdef bint keep
+    r.err = OK
+    r.changes = 0
+    r.size = 0
+    if end - pos < 4:
+        return fail(r, TRUNC_G, pos, 0, end - pos)
+    groups = rd32(buf + pos)
+    if groups < 0:
+        return fail(r, NEG_G, pos, groups, 0)
+    if groups > (end - pos - 4) // 8:
+        return fail(r, BIG_G, pos, groups, end - pos - 4)
+    r.groups = groups
+    p = pos + 4
+    for g in range(groups):
+        if end - p < 8:
+            return fail(r, TRUNC_GROUP, p, 0, end - p)
+        count = rd32(buf + p)
+        kg = rd32(buf + p + 4)
+        if count < 0:
+            return fail(r, NEG_N, p, count, 0)
+        if kg < -1 or kg > 32767:
+            return fail(r, BAD_KG, p + 4, kg, 0)
+        if count > (end - p - 8) // 4:
+            return fail(r, BIG_N, p, count, end - p - 8)
+        if ogroups != NULL:
+            ogroups[g] = kg
+        keep = kg == -1 or (lo <= kg and kg <= hi)
+        p += 8
+        for j in range(count):
+            if end - p < 4:
+                return fail(r, TRUNC_LEN, p, 0, end - p)
+            n = rd32(buf + p)
+            if n < 0:
+                return fail(r, NEG_LEN, p, n, 0)
+            if n > end - p - 4:
+                return fail(r, BIG_LEN, p, n, end - p - 4)
+            if keep:
+                if okg != NULL:
+                    okg[k] = kg
+                    ooff[k] = p + 4
+                    olen[k] = n
+                k += 1
+            p += 4 + n
+            r.size += n
+        r.changes += count
+    r.end = p
+    r.kept = k
+    return OK
+
+
+cdef raise_error(Scan* r):
+    cdef int64_t v = r.err_val, rem = r.err_rem
+    cdef int code = r.err
+    if code == TRUNC_G:
+        reason = f"truncated: group count needs 4 bytes, {rem} remain"
+    elif code == NEG_G:
+        reason = f"negative group count {v}"
+    elif code == BIG_G:
+        reason = f"group count {v} needs at least {8 * v} bytes, {rem} remain"
+    elif code == TRUNC_GROUP:
+        reason = f"truncated: group header needs 8 bytes, {rem} remain"
+    elif code == NEG_N:
+        reason = f"negative change count {v}"
+    elif code == BAD_KG:
+        reason = f"invalid key group {v}"
+    elif code == BIG_N:
+        reason = f"change count {v} needs at least {4 * v} bytes, {rem} remain"
+    elif code == TRUNC_LEN:
+        reason = f"truncated: change length needs 4 bytes, {rem} remain"
+    elif code == NEG_LEN:
+        reason = f"negative change length {v}"
+    else:
+        reason = f"change length {v} runs past the end ({rem} bytes remain)"
+    raise CorruptChangelogError(reason, r.err_pos)
+
+
+cdef class _Bytes:
+    """A held PyBUF_SIMPLE export of the logical stream (released when this object goes)."""
+    cdef Py_buffer view
+    cdef bint held
+    cdef const unsigned char* buf
+    cdef int64_t length
+
+    def __cinit__(self, obj):
+        self.held = False
+        try:
+            PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
+        except (TypeError, BufferError):
+            logical_view(obj)  # raises the twin's TypeError
+            raise TypeError(f"the logical stream must be a contiguous bytes-like object, got {type(obj).__name__}")
+        self.held = True
+        self.buf = <const unsigned char*>self.view.buf
+        self.length = self.view.len
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+cdef tuple _bounds(key_group_range):
+    lo, hi = range_bounds(key_group_range)
+    # clamp so the C ints cannot overflow; an empty range keeps metadata only
+    return max(min(lo, 32768), -2), max(min(hi, 32768), -2)
+
+
+def decode_change_set_arrays(logical, offset=0, key_group_range=None):
+    """(key_groups int32, offsets int64, lengths int64, end_offset); offsets index into `logical`."""
+    cdef _Bytes b = _Bytes(logical)
+    cdef int64_t pos = check_offset(offset, b.length)
+    cdef int lo, hi
+    lo, hi = _bounds(key_group_range)
+    cdef Scan r
+    with nogil:
+        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL, NULL, NULL)
+    if r.err:
+        raise_error(&r)
+    kgs = np.empty(r.kept, dtype=np.int32)
+    offs = np.empty(r.kept, dtype=np.int64)
+    lens = np.empty(r.kept, dtype=np.int64)
+    cdef int32_t[::1] k = kgs
+    cdef int64_t[::1] o = offs
+    cdef int64_t[::1] n = lens
+    if r.kept:
+        with nogil:
+            scan(b.buf, b.length, pos, lo, hi, &r, &k[0], &o[0], &n[0], NULL)
+    return kgs, offs, lens, r.end
+
+
+def decode_change_set(logical, offset=0, key_group_range=None):
+    """The changes of the change set at `offset` (stream order) and the offset just after it."""
+    cdef _Bytes b = _Bytes(logical)
+    cdef int64_t pos = check_offset(offset, b.length)
+    cdef int lo, hi
+    lo, hi = _bounds(key_group_range)
+    cdef Scan r
+    cdef int64_t i, kept
+    cdef int32_t* kg_arr = NULL
+    cdef int64_t* off_arr = NULL
+    cdef int64_t* len_arr = NULL
+    cdef bint gc_was_enabled = False
+    with nogil:
+        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL, NULL, NULL)
+    if r.err:
+        raise_error(&r)
+    kept = r.kept
+    out = PyList_New(kept)
+    if kept == 0:
+        return out, r.end
+    kg_arr = <int32_t*>malloc(kept * sizeof(int32_t))
+    off_arr = <int64_t*>malloc(kept * sizeof(int64_t))
+    len_arr = <int64_t*>malloc(kept * sizeof(int64_t))
+    try:
+        if kg_arr == NULL or off_arr == NULL or len_arr == NULL:
+            raise MemoryError()
+        with nogil:
+            scan(b.buf, b.length, pos, lo, hi, &r, kg_arr, off_arr, len_arr, NULL)
+        # the cyclic GC would otherwise rescan the growing list every few hundred objects
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        kg_objs = {}  # one int object per key group
+        for i in range(kept):
+            change = _new(_StateChange)
+            kg = kg_objs.get(kg_arr[i])
+            if kg is None:
+                kg = kg_objs[kg_arr[i]] = kg_arr[i]
+            PyObject_GenericSetAttr(change, _KG, kg)
+            PyObject_GenericSetAttr(change, _DATA,
+                                    PyBytes_FromStringAndSize(<const char*>(b.buf + off_arr[i]), len_arr[i]))
+            Py_INCREF(change)
+            PyList_SET_ITEM(out, i, change)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        free(kg_arr)
+        free(off_arr)
+        free(len_arr)
+    return out, r.end
+
+
+def walk(logical):
+    """Every change set of a whole logical stream; the last must end exactly at its end (FORMAT.md §5.8)."""
+    cdef _Bytes b = _Bytes(logical)
+    cdef int64_t pos = 0
+    cdef Scan r
+    cdef int32_t* groups
+    cdef int64_t g
+    infos = []
+    while pos < b.length:
+        with nogil:
+            scan(b.buf, b.length, pos, 0, -1, &r, NULL, NULL, NULL, NULL)
+        if r.err:
+            raise_error(&r)
+        groups = <int32_t*>malloc((r.groups + 1) * sizeof(int32_t))
+        if groups == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                scan(b.buf, b.length, pos, 0, -1, &r, NULL, NULL, NULL, groups)
+            order = tuple([groups[g] for g in range(r.groups)])
+        finally:
+            free(groups)
+        infos.append(ChangeSetInfo(pos, r.end - pos, r.groups, r.changes, r.size, order))
+        pos = r.end
+    return infos
