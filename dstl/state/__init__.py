@@ -7,7 +7,8 @@ from typing import Any, Dict
 _EXPORTS: Dict[str, str] = {
     "KeyedStateBackend": "dstl.state.keyed", "ValueState": "dstl.state.keyed",
     "ListState": "dstl.state.keyed", "MapState": "dstl.state.keyed",
-    "ReducingState": "dstl.state.keyed",
+    "ReducingState": "dstl.state.keyed", "KeyedStateSnapshot": "dstl.state.keyed",
+    "register_serializer": "dstl.state.serializers",
     "OperatorListState": "dstl.state.operator", "OperatorStateHandle": "dstl.state.operator",
     "repartition": "dstl.state.operator",
     "CheckpointMetadata": "dstl.state.metadata", "SubtaskState": "dstl.state.metadata",
