@@ -28,6 +28,7 @@ ZSTD_LEVEL = 3
 
 _CODECS = {None: FLAG_RAW, "none": FLAG_RAW, "raw": FLAG_RAW, "snappy": FLAG_SNAPPY, "zstd": FLAG_ZSTD}
 _ZSTD_MAGIC = 0xFD2FB528
+ZSTD_MAX_BLOCK = 1 << 17  # RFC 8878 Block_Maximum_Size
 
 
 def codec_flag(compression: Optional[str]) -> int:
@@ -266,9 +267,17 @@ def zstd_frames(view: memoryview, base: int = 1, file: Optional[str] = None) -> 
             raise _corrupt("zstd frame header has the reserved bit set", base + at, file)
         single = (fhd >> 5) & 1
         fcs = (fhd >> 6) & 3
-        header = (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + ((1 if single else 0), 2, 4, 8)[fcs]
+        dict_len = (0, 1, 2, 4)[fhd & 3]
+        fcs_len = ((1 if single else 0), 2, 4, 8)[fcs]
+        header = (0 if single else 1) + dict_len + fcs_len
         need(header, "frame header", at)
+        content_size = None
+        if fcs_len:
+            content_size = int.from_bytes(view[pos + header - fcs_len:pos + header], "little")
+            if fcs_len == 2:
+                content_size += 256
         pos += header
+        bound = 0  # most bytes the blocks can produce; checked before libzstd allocates anything
         while True:
             need(3, "block header", at)
             bh = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16)
@@ -276,14 +285,20 @@ def zstd_frames(view: memoryview, base: int = 1, file: Optional[str] = None) -> 
             btype, bsize = (bh >> 1) & 3, bh >> 3
             if btype == 3:
                 raise _corrupt("zstd block of the reserved type", base + at, file)
+            if bsize > ZSTD_MAX_BLOCK:
+                raise _corrupt(f"zstd block of {bsize} bytes exceeds {ZSTD_MAX_BLOCK}", base + at, file)
             body = 1 if btype == 1 else bsize
             need(body, "block", at)
             pos += body
+            bound += ZSTD_MAX_BLOCK if btype == 2 else bsize
             if bh & 1:
                 break
         if fhd & 0x04:
             need(4, "content checksum", at)
             pos += 4
+        if content_size is not None and content_size > bound:
+            raise _corrupt(f"zstd frame claims {content_size} bytes, its blocks hold at most {bound}",
+                           base + at, file)
         frames.append((base + at, at, pos))
     return frames
 
