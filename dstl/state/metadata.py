@@ -1,0 +1,465 @@
+"""Checkpoint metadata: what a completed checkpoint consists of, written atomically per checkpoint.
+
+Layout: `<base>/checkpoints/chk-<id>/_metadata`, on any fsspec filesystem. The file is
+`MAGIC + msgpack body + CRC-32 (big endian) of the body`, so a torn or truncated file is detected and
+such a checkpoint is skipped by `latest_checkpoint`. Changelog and materialized handles are stored
+with `ChangelogStateHandleStreamImpl.to_bytes`, operator state handles (small, inline streams) with
+`OperatorStateHandle.to_bytes`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import time
+import uuid
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
+
+import msgpack
+
+from dstl.errors import DstlError
+from dstl.types import KeyGroupRange
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\x89DSTLCK1"  # 8 bytes; the high first byte keeps text tools from mistaking it for text
+METADATA_FILE = "_metadata"
+CHECKPOINTS_DIR = "checkpoints"
+_FORMAT_VERSION = 1
+_CHK_RE = re.compile(r"^chk-(\d+)$")
+
+__all__ = [
+    "SubtaskState", "CheckpointMetadata", "CorruptCheckpointError", "CheckpointJobMismatchError",
+    "write_checkpoint", "read_checkpoint", "latest_checkpoint", "list_checkpoints", "retained_files",
+    "checkpoint_path", "remove_checkpoint",
+]
+
+
+class CorruptCheckpointError(DstlError, ValueError):
+    """A `_metadata` file that is truncated, torn or not dstl checkpoint metadata."""
+
+
+class CheckpointJobMismatchError(DstlError, ValueError):
+    """The base path holds checkpoints of another job."""
+
+
+def _changelog_handle_type():
+    from dstl.handles import ChangelogStateHandleStreamImpl
+
+    return ChangelogStateHandleStreamImpl
+
+
+def _operator_handle_type():
+    from dstl.state.operator import OperatorStateHandle
+
+    return OperatorStateHandle
+
+
+def _int(name: str, value: Any, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                return _int(name, int(value), lo)
+        except ImportError:  # pragma: no cover
+            pass
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+class SubtaskState:
+    """The state of one subtask in a checkpoint: keyed (materialized + changelog handles) and operator state."""
+
+    __slots__ = ("index", "key_group_range", "materialized", "changelog", "operator_state")
+
+    def __init__(self, index: int, key_group_range: KeyGroupRange, materialized: Sequence[Any] = (),
+                 changelog: Sequence[Any] = (), operator_state: Sequence[Any] = ()):
+        H, O = _changelog_handle_type(), _operator_handle_type()
+        self.index = _int("subtask index", index)
+        if not isinstance(key_group_range, KeyGroupRange):
+            raise ValueError(f"key_group_range must be a KeyGroupRange, got {type(key_group_range).__name__}")
+        self.key_group_range = key_group_range
+        self.materialized = list(materialized)
+        if changelog is None:
+            changelog = []
+        elif isinstance(changelog, H):  # a single handle, as a KeyedStateSnapshot carries it
+            changelog = [changelog]
+        self.changelog = list(changelog)
+        self.operator_state = list(operator_state)
+        for what, handles, cls in (("materialized", self.materialized, H), ("changelog", self.changelog, H),
+                                   ("operator_state", self.operator_state, O)):
+            for h in handles:
+                if not isinstance(h, cls):
+                    raise ValueError(f"subtask {self.index}: {what} handles must be {cls.__name__}, "
+                                     f"got {type(h).__name__}")
+
+    @classmethod
+    def from_keyed_snapshot(cls, index: int, snapshot: Any, operator_state: Sequence[Any] = ()) -> "SubtaskState":
+        """From a `KeyedStateSnapshot` (dstl.state.keyed) and the subtask's operator state handles."""
+        return cls(index, snapshot.key_group_range, snapshot.materialized,
+                   [snapshot.changelog] if snapshot.changelog is not None else [], operator_state)
+
+    def to_keyed_snapshot(self, max_parallelism: Optional[int] = None, checkpoint_id: Optional[int] = None):
+        """The keyed part as a `KeyedStateSnapshot` for `KeyedStateBackend.restore`."""
+        from dstl.state.keyed import KeyedStateSnapshot
+
+        if len(self.changelog) > 1:
+            raise ValueError(f"subtask {self.index} has {len(self.changelog)} changelog handles; "
+                             "a keyed state snapshot holds one")
+        return KeyedStateSnapshot(self.key_group_range, self.materialized,
+                                  self.changelog[0] if self.changelog else None, max_parallelism, checkpoint_id)
+
+    def files(self) -> List[str]:
+        """Distinct files the keyed handles read (operator state is inline in the metadata)."""
+        seen: Dict[str, None] = {}
+        for h in self.materialized + self.changelog:
+            for f in h.files():
+                seen.setdefault(f, None)
+        return list(seen)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "index": self.index,
+            "kgr": [self.key_group_range.start, self.key_group_range.end],
+            "materialized": [h.to_bytes() for h in self.materialized],
+            "changelog": [h.to_bytes() for h in self.changelog],
+            "operator_state": [h.to_bytes() for h in self.operator_state],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "SubtaskState":
+        H, O = _changelog_handle_type(), _operator_handle_type()
+        start, end = d["kgr"]
+        return cls(d["index"], KeyGroupRange(start, end), [H.from_bytes(b) for b in d["materialized"]],
+                   [H.from_bytes(b) for b in d["changelog"]], [O.from_bytes(b) for b in d["operator_state"]])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, SubtaskState):
+            return self.to_dict() == other.to_dict()
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return (f"SubtaskState({self.index}, {self.key_group_range!r}, materialized={len(self.materialized)}, "
+                f"changelog={len(self.changelog)}, operator_state={len(self.operator_state)})")
+
+
+class CheckpointMetadata:
+    """One completed checkpoint: id, max parallelism, and the state of every subtask."""
+
+    __slots__ = ("checkpoint_id", "max_parallelism", "parallelism", "subtasks", "properties", "job_id",
+                 "timestamp_ms")
+
+    def __init__(self, checkpoint_id: int, max_parallelism: int, parallelism: int,
+                 subtasks: Sequence[SubtaskState], properties: Optional[Dict[str, Any]] = None, *,
+                 job_id: Optional[str] = None, timestamp_ms: Optional[int] = None):
+        self.checkpoint_id = _int("checkpoint_id", checkpoint_id)
+        self.max_parallelism = _int("max_parallelism", max_parallelism, 1)
+        if self.max_parallelism > 32768:
+            raise ValueError(f"max_parallelism must be <= 32768, got {self.max_parallelism}")
+        self.parallelism = _int("parallelism", parallelism, 1)
+        if self.parallelism > self.max_parallelism:
+            raise ValueError(f"parallelism {self.parallelism} exceeds max_parallelism {self.max_parallelism}")
+        self.subtasks = sorted(subtasks, key=lambda s: s.index if isinstance(s, SubtaskState) else -1)
+        self.properties = dict(properties or {})
+        if job_id is not None and (not isinstance(job_id, str) or not job_id):
+            raise ValueError(f"job_id must be a non-empty string or None, got {job_id!r}")
+        self.job_id = job_id
+        self.timestamp_ms = int(time.time() * 1000) if timestamp_ms is None else _int("timestamp_ms", timestamp_ms)
+        self._validate()
+
+    def _validate(self) -> None:
+        for s in self.subtasks:
+            if not isinstance(s, SubtaskState):
+                raise ValueError(f"subtasks must be SubtaskState objects, got {type(s).__name__}")
+        indices = [s.index for s in self.subtasks]
+        if indices != list(range(self.parallelism)):
+            raise ValueError(f"a checkpoint of parallelism {self.parallelism} needs subtasks 0..{self.parallelism - 1} "
+                             f"exactly once each, got {indices}")
+        for s in self.subtasks:
+            r = s.key_group_range
+            if not r.is_empty() and r.end >= self.max_parallelism:
+                raise ValueError(f"subtask {s.index}: key group range {r!r} exceeds max_parallelism "
+                                 f"{self.max_parallelism}")
+            for h in s.materialized + s.changelog:
+                if not h.key_group_range.is_empty() and h.key_group_range.end >= self.max_parallelism:
+                    raise ValueError(f"subtask {s.index}: a handle covers {h.key_group_range!r}, beyond "
+                                     f"max_parallelism {self.max_parallelism}")
+        owned = sorted((s for s in self.subtasks if not s.key_group_range.is_empty()),
+                       key=lambda s: s.key_group_range.start)
+        for a, b in zip(owned, owned[1:]):  # two owners of one key group would restore it twice
+            if b.key_group_range.start <= a.key_group_range.end:
+                raise ValueError(f"key group ranges of subtasks {a.index} {a.key_group_range!r} and "
+                                 f"{b.index} {b.key_group_range!r} overlap")
+
+    def files(self) -> Set[str]:
+        """Every file the checkpoint's keyed state handles read."""
+        return {f for s in self.subtasks for f in s.files()}
+
+    def keyed_snapshots(self) -> List[Any]:
+        """Every subtask's keyed state as a `KeyedStateSnapshot` (subtask order), for a restore."""
+        return [s.to_keyed_snapshot(self.max_parallelism, self.checkpoint_id) for s in self.subtasks]
+
+    def operator_states(self) -> List[List[Any]]:
+        """Every subtask's operator state handles: the input of `dstl.state.operator.repartition`."""
+        return [list(s.operator_state) for s in self.subtasks]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "v": _FORMAT_VERSION, "checkpoint_id": self.checkpoint_id, "job_id": self.job_id,
+            "timestamp_ms": self.timestamp_ms, "max_parallelism": self.max_parallelism,
+            "parallelism": self.parallelism, "properties": self.properties,
+            "subtasks": [s.to_dict() for s in self.subtasks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "CheckpointMetadata":
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"checkpoint metadata: expected a map, got {type(d).__name__}")
+        if d.get("v") != _FORMAT_VERSION:
+            raise CorruptCheckpointError(f"checkpoint metadata: unsupported version {d.get('v')!r}")
+        try:
+            return cls(d["checkpoint_id"], d["max_parallelism"], d["parallelism"],
+                       [SubtaskState.from_dict(s) for s in d["subtasks"]], d["properties"],
+                       job_id=d["job_id"], timestamp_ms=d["timestamp_ms"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"checkpoint metadata: malformed ({exc})") from exc
+
+    def to_bytes(self) -> bytes:
+        """MAGIC + msgpack body + CRC-32 of the body."""
+        try:
+            body = msgpack.packb(self.to_dict(), use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"checkpoint properties must be msgpack-serialisable: {exc}") from None
+        return MAGIC + body + struct.pack(">I", zlib.crc32(body))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "checkpoint metadata") -> "CheckpointMetadata":
+        data = bytes(data)
+        if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
+            raise CorruptCheckpointError(f"{source}: not dstl checkpoint metadata or truncated ({len(data)} bytes)")
+        body, (crc,) = data[len(MAGIC):-4], struct.unpack(">I", data[-4:])
+        if zlib.crc32(body) != crc:
+            raise CorruptCheckpointError(f"{source}: checksum mismatch (torn or truncated file)")
+        try:
+            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{source}: body is not valid msgpack ({exc})") from exc
+        try:
+            return cls.from_dict(d)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{source}: {exc}") from exc
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, CheckpointMetadata):
+            return self.to_dict() == other.to_dict()
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return (f"CheckpointMetadata(checkpoint_id={self.checkpoint_id}, job_id={self.job_id!r}, "
+                f"max_parallelism={self.max_parallelism}, parallelism={self.parallelism}, "
+                f"files={len(self.files())})")
+
+
+# ------------------------------------------------------------------------------ storage
+
+
+def _fs(base_path: str):
+    from fsspec.core import url_to_fs
+
+    if hasattr(base_path, "__fspath__"):
+        base_path = os.fspath(base_path)
+    if not isinstance(base_path, str) or not base_path:
+        raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
+    fs, root = url_to_fs(base_path)
+    return fs, root.rstrip("/") or "/"
+
+
+def _is_local(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("file", "local") for p in protocols)
+
+
+def _join(*parts: str) -> str:
+    return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
+
+
+def checkpoint_path(base_path: str, checkpoint_id: int) -> str:
+    """`<base>/checkpoints/chk-<id>/_metadata`, in the spelling of `base_path`."""
+    return _join(os.fspath(base_path), CHECKPOINTS_DIR, f"chk-{_int('checkpoint_id', checkpoint_id)}",
+                 METADATA_FILE)
+
+
+def _write_local(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see no file or the whole file
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def _write_remote(fs, path: str, data: bytes) -> None:
+    directory = path.rsplit("/", 1)[0]
+    tmp = _join(directory, f"{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
+    try:
+        fs.makedirs(directory, exist_ok=True)
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)  # object stores: copy then delete; only the final key counts
+    finally:
+        try:
+            if fs.exists(tmp):
+                fs.rm_file(tmp)
+        except (FileNotFoundError, OSError):
+            pass
+    fs.invalidate_cache(directory)
+    size = fs.info(path)["size"]
+    if size != len(data):
+        raise OSError(f"{path}: wrote {len(data)} bytes but the store holds {size}")
+
+
+def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite: bool = False) -> str:
+    """Write `metadata` atomically to `<base>/checkpoints/chk-<id>/_metadata`; returns that path.
+
+    Refuses (CheckpointJobMismatchError) when the base path holds checkpoints of another job id, and
+    (FileExistsError) to replace a completed checkpoint unless `overwrite`.
+    """
+    if not isinstance(metadata, CheckpointMetadata):
+        raise TypeError(f"expected CheckpointMetadata, got {type(metadata).__name__}")
+    fs, root = _fs(base_path)
+    if metadata.job_id is not None:
+        other = _existing_job_id(fs, root, exclude=metadata.job_id)
+        if other is not None:
+            raise CheckpointJobMismatchError(
+                f"{base_path} holds checkpoints of job {other}, not of job {metadata.job_id}; "
+                "use another base path (or the same job id to continue that job)")
+    path = _join(root, CHECKPOINTS_DIR, f"chk-{metadata.checkpoint_id}", METADATA_FILE)
+    fs.invalidate_cache(path.rsplit("/", 1)[0])
+    if not overwrite and fs.exists(path):
+        raise FileExistsError(f"checkpoint {metadata.checkpoint_id} already exists at {checkpoint_path(base_path, metadata.checkpoint_id)}")
+    data = metadata.to_bytes()
+    if _is_local(fs):
+        _write_local(path, data)
+    else:
+        _write_remote(fs, path, data)
+    return checkpoint_path(base_path, metadata.checkpoint_id)
+
+
+def _existing_job_id(fs, root: str, exclude: str) -> Optional[str]:
+    """The job id of the newest readable checkpoint if it differs from `exclude`, else None."""
+    for cp in reversed(_list(fs, root)):
+        try:
+            meta = _read(fs, root, cp)
+        except (CorruptCheckpointError, FileNotFoundError):
+            continue
+        if meta.job_id is not None and meta.job_id != exclude:
+            return meta.job_id
+        return None
+    return None
+
+
+def _list(fs, root: str) -> List[int]:
+    directory = _join(root, CHECKPOINTS_DIR)
+    fs.invalidate_cache(directory)
+    try:
+        found = fs.glob(_join(directory, "chk-*", METADATA_FILE))
+    except FileNotFoundError:
+        return []
+    ids = set()
+    for p in found:
+        m = _CHK_RE.match(p.rstrip("/").split("/")[-2])
+        if m:
+            ids.add(int(m.group(1)))
+    return sorted(ids)
+
+
+def _read(fs, root: str, checkpoint_id: int) -> CheckpointMetadata:
+    path = _join(root, CHECKPOINTS_DIR, f"chk-{checkpoint_id}", METADATA_FILE)
+    data = fs.cat_file(path)
+    meta = CheckpointMetadata.from_bytes(data, source=path)
+    if meta.checkpoint_id != checkpoint_id:
+        raise CorruptCheckpointError(f"{path}: holds checkpoint {meta.checkpoint_id}, not {checkpoint_id}")
+    return meta
+
+
+def list_checkpoints(base_path: str) -> List[int]:
+    """Ids of the checkpoints that have a `_metadata` file, ascending (contents not checked)."""
+    fs, root = _fs(base_path)
+    return _list(fs, root)
+
+
+def read_checkpoint(base_path: str, checkpoint_id: int) -> CheckpointMetadata:
+    """The metadata of one checkpoint; FileNotFoundError if it has none, CorruptCheckpointError if damaged."""
+    fs, root = _fs(base_path)
+    checkpoint_id = _int("checkpoint_id", checkpoint_id)
+    try:
+        return _read(fs, root, checkpoint_id)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint {checkpoint_id} at {base_path} "
+                                f"(missing {checkpoint_path(base_path, checkpoint_id)})") from None
+
+
+def latest_checkpoint(base_path: str, *, job_id: Optional[str] = None) -> Optional[CheckpointMetadata]:
+    """The newest complete, readable checkpoint, or None. Incomplete and corrupt ones are skipped.
+
+    With `job_id`, a newest checkpoint of another job raises CheckpointJobMismatchError.
+    """
+    fs, root = _fs(base_path)
+    for cp in reversed(_list(fs, root)):
+        try:
+            meta = _read(fs, root, cp)
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except CorruptCheckpointError as exc:
+            log.warning("skipping checkpoint %d: %s", cp, exc)
+            continue
+        if job_id is not None and meta.job_id is not None and meta.job_id != job_id:
+            raise CheckpointJobMismatchError(f"{base_path} holds checkpoints of job {meta.job_id}, not {job_id}")
+        return meta
+    return None
+
+
+def remove_checkpoint(base_path: str, checkpoint_id: int) -> None:
+    """Delete a checkpoint's directory (its `_metadata` first, so it never looks complete half-deleted)."""
+    fs, root = _fs(base_path)
+    directory = _join(root, CHECKPOINTS_DIR, f"chk-{_int('checkpoint_id', checkpoint_id)}")
+    try:
+        fs.rm_file(_join(directory, METADATA_FILE))
+    except FileNotFoundError:
+        pass
+    try:
+        fs.rm(directory, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def retained_files(metadata_list: Iterable[CheckpointMetadata]) -> Set[str]:
+    """Every file the given checkpoints reference: what `dstl gc` must keep."""
+    out: Set[str] = set()
+    for meta in metadata_list:
+        if not isinstance(meta, CheckpointMetadata):
+            raise TypeError(f"expected CheckpointMetadata, got {type(meta).__name__}")
+        out |= meta.files()
+    return out
