@@ -39,6 +39,8 @@ _EXPORTS: Dict[str, str] = {
     "compute_key_group_range_for_operator_index": "dstl.keygroups",
     "compute_operator_index_for_key_group": "dstl.keygroups",
     "compute_default_max_parallelism": "dstl.keygroups",
+    "assign_key_groups": "dstl.keygroups", "assign_key_to_parallel_operator": "dstl.keygroups",
+    "operator_indices_for_key_groups": "dstl.keygroups",
     "KeyedStateBackend": "dstl.state", "ValueState": "dstl.state", "ListState": "dstl.state",
     "MapState": "dstl.state", "OperatorListState": "dstl.state", "CheckpointMetadata": "dstl.state",
 }

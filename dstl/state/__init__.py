@@ -14,6 +14,8 @@ _EXPORTS: Dict[str, str] = {
     "CheckpointMetadata": "dstl.state.metadata", "SubtaskState": "dstl.state.metadata",
     "write_checkpoint": "dstl.state.metadata", "read_checkpoint": "dstl.state.metadata",
     "latest_checkpoint": "dstl.state.metadata",
+    "snapshot_operator_state": "dstl.state.operator", "restore_operator_state": "dstl.state.operator",
+    "list_checkpoints": "dstl.state.metadata", "retained_files": "dstl.state.metadata",
 }
 __all__ = sorted(_EXPORTS)
 
