@@ -36,6 +36,7 @@ class RegistryForwarder:
         self._proc = None
         self._stopping = False
         self.restarts = 0
+        self._last_restart = 0.0
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -139,6 +140,10 @@ class RegistryForwarder:
                         proc.pid, proc.exitcode)
         with self._lock:
             self._conn = None
+        now = time.monotonic()
+        if now - self._last_restart < 1.0:  # dying at once again: do not spin
+            time.sleep(1.0)
+        self._last_restart = now
         while not self._stopping:
             try:
                 self._spawn()
@@ -158,7 +163,7 @@ class RegistryForwarder:
             conn, proc = self._conn, self._proc
         if conn is not None:
             try:
-                conn.send(("stop",))
+                conn.send(("shutdown",))
             except OSError:
                 pass
         if proc is not None:

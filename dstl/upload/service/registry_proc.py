@@ -7,7 +7,7 @@ service (one pipe):
   with `("ack", op_id)`;
 * `("count", qid, path)` -> `("reply", qid, count or None)`;
 * `("sync", qid)` -> `("reply", qid, None)` once every deletion scheduled so far has run;
-* `("stop",)` or end of file: finish scheduled deletions, compact the journal, exit.
+* `("shutdown",)` or end of file: finish scheduled deletions, compact the journal, exit.
 
 On start it takes the journal lock (a previous registry may still be finishing), replays the journal,
 re-schedules deletions that had not completed, and says `("hello", last_op_id, pid)`.
@@ -55,7 +55,7 @@ class _Registry:
 
     def handle(self, msg) -> bool:
         kind = msg[0]
-        if kind == "stop":
+        if kind == "shutdown":
             return False
         if kind == "count":
             with self.lock:
