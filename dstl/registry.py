@@ -37,12 +37,13 @@ class _Discarder:
 
     def submit(self, handle: StreamStateHandle) -> None:
         with self._lock:
-            if not self._closed:
-                fut = self._pool.submit(self._discard, handle)
+            fut = None if self._closed else self._pool.submit(self._discard, handle)
+            if fut is not None:
                 self._pending.add(fut)
-                fut.add_done_callback(self._done)
-                return
-        self._discard(handle)  # a late release after close still cleans up
+        if fut is None:
+            self._discard(handle)  # a late release after close still cleans up
+        else:
+            fut.add_done_callback(self._done)  # may run inline: outside the lock
 
     def _done(self, fut: Future) -> None:
         with self._lock:
