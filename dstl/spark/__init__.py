@@ -1,0 +1,35 @@
+"""PySpark integration: keyed, durable, rescalable state for Python code in `mapInPandas`.
+
+* `with_key_group` / `with_subtask`: vectorised key-group and logical-subtask columns.
+* `stateful_map_in_pandas`: runs `fn(rows, state)` once per logical subtask and micro-batch, the
+  subtask's `KeyedStateBackend` restored from the changelog or continued from the worker's cache.
+* `CheckpointCoordinator`: the driver side; one micro-batch = one checkpoint, metadata written
+  atomically before the batch's output is committed.
+* `StatefulJob`: the two together (what the `dstl pipeline` command uses).
+
+PySpark, pandas and pyarrow are imported lazily, so `import dstl.spark` is cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict
+
+_EXPORTS: Dict[str, str] = {
+    "with_key_group": "dstl.spark.keyed", "with_subtask": "dstl.spark.keyed",
+    "stateful_map_in_pandas": "dstl.spark.keyed", "CheckpointPlan": "dstl.spark.keyed",
+    "TaskReport": "dstl.spark.keyed", "partition_salts": "dstl.spark.keyed",
+    "StateCache": "dstl.spark.cache",
+    "CheckpointCoordinator": "dstl.spark.coordinator", "JobSpec": "dstl.spark.coordinator",
+    "JobConflictError": "dstl.spark.coordinator",
+    "StatefulJob": "dstl.spark.job", "BatchResult": "dstl.spark.job",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dstl.spark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

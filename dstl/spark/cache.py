@@ -1,0 +1,149 @@
+"""Per-worker state cache: what a reused PySpark Python worker keeps between micro-batches.
+
+A Python worker (``spark.python.worker.reuse``, on by default) lives across tasks. After a task
+snapshots subtask ``s`` for checkpoint ``c`` it puts the live `KeyedStateBackend` here, tagged with
+``(c, token)``; ``token`` is unique per task attempt and is recorded in the checkpoint metadata when
+the driver accepts that attempt's snapshot. The next task for ``s`` in the same worker continues
+from memory only if the driver says the latest *completed* checkpoint is exactly ``(c, token)``.
+Anything else (a checkpoint that never completed, a losing or retried attempt, a rescale, another
+worker having owned ``s`` since) makes the entry stale: its backend is closed and never used again,
+and the task restores from the changelog instead.
+
+A backend is taken *out* of the cache while a task uses it and only put back after a successful
+snapshot, so a task that fails half-way can never leave a half-updated backend behind.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheEntry:
+    backend: Any
+    checkpoint_id: int
+    token: str
+
+
+class StateCache:
+    """Live backends by key (job, operator, parallelism, max parallelism, subtask)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: Dict[Hashable, CacheEntry] = {}
+        self.hits = 0
+        self.misses = 0
+        self.stale_closed = 0
+
+    def acquire(self, key: Hashable, checkpoint_id: Optional[int], token: Optional[str]) -> Optional[Any]:
+        """Take the backend for `key` if it is exactly at the completed checkpoint `(checkpoint_id, token)`.
+
+        Returns None on a miss; a stale entry for `key` is closed on the way.
+        """
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is None:
+            self.misses += 1
+            return None
+        if checkpoint_id is not None and token is not None and \
+                entry.checkpoint_id == checkpoint_id and entry.token == token:
+            self.hits += 1
+            return entry.backend
+        self.misses += 1
+        self._close_stale(entry, checkpoint_id)
+        return None
+
+    def put(self, key: Hashable, backend: Any, checkpoint_id: int, token: str) -> None:
+        """Keep `backend`, which has just snapshotted `checkpoint_id` in the attempt `token`."""
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._entries[key] = CacheEntry(backend, checkpoint_id, token)
+        if old is not None and old.backend is not backend:
+            self._close_stale(old, None)
+
+    def evict_rescaled(self, job_id: str, operator_id: str, parallelism: int, max_parallelism: int) -> None:
+        """Close this operator's entries for another (parallelism, max parallelism): rescaled away."""
+        with self._lock:
+            doomed = [k for k in self._entries
+                      if isinstance(k, tuple) and len(k) == 5 and k[0] == job_id and k[1] == operator_id
+                      and (k[2], k[3]) != (parallelism, max_parallelism)]
+            entries = [self._entries.pop(k) for k in doomed]
+        for entry in entries:
+            self._close_stale(entry, None)
+
+    def _close_stale(self, entry: CacheEntry, completed: Optional[int]) -> None:
+        # A stale backend's last snapshot may be part of a completed checkpoint that a newer owner
+        # restored from. Confirming first hands its files to the checkpoints (they stop being tracked
+        # here), so closing can never delete a file a checkpoint references; files no retained
+        # checkpoint references are removed by the coordinator's garbage collection.
+        self.stale_closed += 1
+        try:
+            if completed is not None and entry.checkpoint_id <= completed:
+                entry.backend.confirm(entry.checkpoint_id)
+        except Exception:  # best effort: the backend is being thrown away
+            log.warning("confirming a stale state backend failed", exc_info=True)
+        try:
+            entry.backend.close()
+        except Exception:
+            log.warning("closing a stale state backend failed", exc_info=True)
+
+    def clear(self) -> None:
+        """Close every cached backend (worker shutdown, tests)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            try:
+                entry.backend.close()
+            except Exception:
+                log.warning("closing a cached state backend failed", exc_info=True)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def checkpoints(self) -> Dict[Hashable, Tuple[int, str]]:
+        """Key -> (checkpoint id, token) of every entry (for tests and diagnostics)."""
+        with self._lock:
+            return {k: (e.checkpoint_id, e.token) for k, e in self._entries.items()}
+
+
+#: The worker's cache (one per Python process).
+CACHE = StateCache()
+
+_storages_lock = threading.Lock()
+_storages: Dict[Tuple[str, Tuple[Tuple[str, Any], ...]], Any] = {}
+
+
+def storage_for(job_id: str, options: Mapping[str, Any]):
+    """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open."""
+    from dstl.storage import FsStateChangelogStorage
+
+    key = (job_id, tuple(sorted((k, repr(v)) for k, v in options.items())))
+    with _storages_lock:
+        storage = _storages.get(key)
+        if storage is None or storage.closed:
+            storage = FsStateChangelogStorage(dict(options), job_id=job_id)
+            _storages[key] = storage
+        return storage
+
+
+def shutdown() -> None:
+    """Close cached backends, then storages (waits for running uploads)."""
+    CACHE.clear()
+    with _storages_lock:
+        storages = list(_storages.values())
+        _storages.clear()
+    for storage in storages:
+        try:
+            storage.close()
+        except Exception:
+            log.warning("closing a changelog storage failed", exc_info=True)
+
+
+atexit.register(shutdown)

@@ -1,0 +1,345 @@
+"""CheckpointCoordinator: the driver side of exactly-once micro-batches.
+
+One micro-batch is one checkpoint (id = batch + 1). For each batch:
+
+1. `plan()` tells the tasks which checkpoint to write and which completed one to continue from
+   (with the attempt token each subtask's snapshot came from, so a worker's cache can tell whether
+   its backend is exactly the one the checkpoint recorded).
+2. The tasks stage their output files and return their serialised snapshots.
+3. `complete()` writes the checkpoint metadata atomically (K's `write_checkpoint`), then commits the
+   batch's output: staged files are renamed to `<output>/batch-NNNNNN/part-SSSSS.parquet` and a
+   `_SUCCESS` marker is written. The commit is idempotent; a restart finishes the commit of the
+   latest checkpoint (its staged files are listed in the metadata), so a crash anywhere yields each
+   batch's output exactly once.
+4. The next batch's tasks confirm the checkpoint (their registries stop tracking its files).
+5. Old checkpoints beyond `retain` are deleted, and changelog files that no retained checkpoint
+   references are garbage collected (two passes in a row during the run, so files a running writer
+   has just uploaded are never touched; all of them at `finish()`).
+
+The base path holds one job: `<base>/_dstl_job.json` names it; a different job there is an error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "_dstl_job.json"
+
+
+class JobConflictError(ValueError):
+    """The base path holds another job, or a resume does not match the job it finds."""
+
+
+@dataclass
+class JobSpec:
+    """What identifies a job at a base path (stored as `<base>/_dstl_job.json`)."""
+
+    job_id: str
+    operator_id: str
+    max_parallelism: int
+    output_path: Optional[str] = None
+    #: whatever else must not change across restarts (e.g. the source definition)
+    params: Dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def new(operator_id: str, max_parallelism: int, output_path: Optional[str] = None,
+            params: Optional[Dict[str, Any]] = None) -> "JobSpec":
+        return JobSpec(uuid.uuid4().hex, operator_id, max_parallelism, output_path, dict(params or {}))
+
+
+@dataclass
+class CheckpointStats:
+    checkpoint_id: int
+    batch: int
+    metadata_ms: float
+    commit_ms: float
+    gc_ms: float
+    new_files: int
+    new_bytes: int
+    deleted_files: int
+    state_size: int
+
+
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
+
+
+class CheckpointCoordinator:
+    """Driver-side checkpoint bookkeeping for one job at `base_path` (any fsspec URL)."""
+
+    def __init__(self, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, retain: int = 2,
+                 backend_options: Optional[Dict[str, Any]] = None, durable: bool = True):
+        if retain < 1:
+            raise ValueError(f"retain must be >= 1, got {retain}")
+        self.base_path = base_path.rstrip("/")
+        self.spec = spec
+        self.storage_options = dict(storage_options)
+        self.retain = retain
+        self.backend_options = dict(backend_options or {})
+        self.durable = durable
+        self._memory_batch: Optional[int] = None
+        self.latest = None  # CheckpointMetadata of the latest completed checkpoint
+        self._suspects: Set[str] = set()
+        self._known_files: Dict[str, int] = {}
+        self.recovered_output = False
+
+    # ---------------------------------------------------------------- opening a job
+    @classmethod
+    def open(cls, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, resume: bool,
+             retain: int = 2, backend_options: Optional[Dict[str, Any]] = None,
+             durable: bool = True) -> "CheckpointCoordinator":
+        """Start a new job (`resume=False`: the base path must not hold one) or resume the one there.
+
+        On resume the stored spec wins for the job id; operator, max parallelism, output and params
+        must match what the caller passes (`spec.max_parallelism` 0 = take the stored one).
+        """
+        from dstl.state.metadata import latest_checkpoint, list_checkpoints
+
+        base = base_path.rstrip("/")
+        fs, root = _fs(base)
+        job_file = _join(root, JOB_FILE)
+        stored = None
+        if fs.exists(job_file):
+            with fs.open(job_file, "rb") as f:
+                try:
+                    stored = JobSpec(**json.loads(f.read().decode()))
+                except (ValueError, TypeError) as exc:
+                    raise JobConflictError(f"{_join(base, JOB_FILE)} is not a dstl job file: {exc}") from None
+        if not resume:
+            if stored is not None:
+                raise JobConflictError(f"base path {base} already holds job {stored.job_id} "
+                                       f"(operator {stored.operator_id}); use --resume or another base path")
+            if list_checkpoints(base):
+                raise JobConflictError(f"base path {base} already holds checkpoints of another job; "
+                                       f"use another base path")
+            fs.makedirs(root, exist_ok=True)
+            with fs.open(job_file, "wb") as f:
+                f.write(json.dumps(asdict(spec), indent=1, sort_keys=True).encode())
+            return cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
+                       durable=durable)
+        if stored is None:
+            raise JobConflictError(f"nothing to resume: base path {base} holds no dstl job ({JOB_FILE} missing)")
+        _check_same(stored, spec)
+        coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options)
+        from dstl.state.metadata import CheckpointJobMismatchError
+
+        try:
+            coord.latest = latest_checkpoint(base, job_id=stored.job_id)
+        except CheckpointJobMismatchError as exc:
+            raise JobConflictError(str(exc)) from None
+        if coord.latest is not None:
+            if coord.latest.max_parallelism != stored.max_parallelism:
+                raise JobConflictError(f"checkpoint {coord.latest.checkpoint_id} has max parallelism "
+                                       f"{coord.latest.max_parallelism}, the job file says {stored.max_parallelism}")
+            coord.recovered_output = coord.commit_output(coord.latest)
+        coord._clean_uncommitted_staging()
+        return coord
+
+    # ---------------------------------------------------------------- per batch
+    @property
+    def next_batch(self) -> int:
+        if not self.durable:
+            return 0 if self._memory_batch is None else self._memory_batch + 1
+        return 0 if self.latest is None else int(self.latest.properties["batch"]) + 1
+
+    def plan(self, batch: int, parallelism: int, *, fail_subtask: Optional[int] = None,
+             fail_marker: Optional[str] = None) -> CheckpointPlan:
+        """The plan for `batch` (checkpoint id batch + 1) at `parallelism` (may differ: rescale)."""
+        if batch != self.next_batch:
+            raise ValueError(f"batch {batch} is not the next one ({self.next_batch})")
+        latest = self.latest
+        tokens = None
+        if latest is not None and latest.parallelism == parallelism \
+                and latest.max_parallelism == self.spec.max_parallelism:
+            tokens = tuple(latest.properties["tokens"])
+        return CheckpointPlan(
+            job_id=self.spec.job_id, operator_id=self.spec.operator_id, base_path=self.base_path,
+            storage_options=self.storage_options, checkpoint_id=batch + 1, batch=batch,
+            parallelism=parallelism, max_parallelism=self.spec.max_parallelism,
+            output_path=self.spec.output_path,
+            restore_checkpoint_id=None if latest is None else latest.checkpoint_id,
+            restore_tokens=tokens, backend_options=self.backend_options,
+            fail_subtask=fail_subtask, fail_marker=fail_marker, durable=self.durable)
+
+    def complete(self, plan: CheckpointPlan, reports: Sequence[TaskReport], *,
+                 properties: Optional[Dict[str, Any]] = None,
+                 after_metadata: Optional[Callable[[], None]] = None) -> CheckpointStats:
+        """Write the checkpoint metadata, then commit the batch's output, then clean up."""
+        from dstl.state.metadata import CheckpointMetadata, write_checkpoint
+
+        by_subtask = {r.subtask: r for r in reports}
+        if sorted(by_subtask) != list(range(plan.parallelism)) or len(reports) != plan.parallelism:
+            raise RuntimeError(f"checkpoint {plan.checkpoint_id}: expected one report per subtask "
+                               f"0..{plan.parallelism - 1}, got subtasks {sorted(r.subtask for r in reports)}")
+        ordered = [by_subtask[i] for i in range(plan.parallelism)]
+        if not self.durable:
+            return self._complete_in_memory(plan, ordered)
+        subtasks = [snapshot_to_subtask_state(r.subtask, r.snapshot) for r in ordered]
+        files: List[List[str]] = []
+        for r in ordered:
+            if r.staged:
+                files.append([r.staged, self._final_path(plan.batch, r.subtask)])
+        props = dict(properties or {})
+        props.update({"batch": plan.batch, "job_id": self.spec.job_id, "operator_id": self.spec.operator_id,
+                      "tokens": [r.token for r in ordered],
+                      "output": {"batch": plan.batch, "files": files},
+                      "completed_at": time.time()})
+        meta = CheckpointMetadata(plan.checkpoint_id, plan.max_parallelism, plan.parallelism, subtasks, props,
+                                  job_id=self.spec.job_id)
+        t0 = time.perf_counter()
+        write_checkpoint(self.base_path, meta)
+        t1 = time.perf_counter()
+        self.latest = meta
+        if after_metadata is not None:
+            after_metadata()  # --kill-at hooks in here: checkpoint durable, output not yet committed
+        self.commit_output(meta)
+        t2 = time.perf_counter()
+        new_files, new_bytes, deleted = self.collect_garbage()
+        t3 = time.perf_counter()
+        return CheckpointStats(plan.checkpoint_id, plan.batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                               (t3 - t2) * 1e3, new_files, new_bytes, deleted,
+                               sum(r.state_size for r in ordered))
+
+    def _complete_in_memory(self, plan: CheckpointPlan, ordered: Sequence[TaskReport]) -> CheckpointStats:
+        """Baseline without durability: no metadata, no changelog; the output is still committed."""
+        from types import SimpleNamespace
+
+        files = [[r.staged, self._final_path(plan.batch, r.subtask)] for r in ordered if r.staged]
+        meta = SimpleNamespace(checkpoint_id=plan.checkpoint_id,
+                               properties={"batch": plan.batch, "output": {"batch": plan.batch, "files": files}})
+        t0 = time.perf_counter()
+        self.commit_output(meta)
+        self._memory_batch = plan.batch
+        return CheckpointStats(plan.checkpoint_id, plan.batch, 0.0, (time.perf_counter() - t0) * 1e3, 0.0,
+                               0, 0, 0, 0)
+
+    # ---------------------------------------------------------------- output (two-phase commit)
+    def _final_path(self, batch: int, subtask: int) -> str:
+        return _join(self.spec.output_path, f"batch-{batch:06d}", f"part-{subtask:05d}.parquet")
+
+    def commit_output(self, meta) -> bool:
+        """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work."""
+        if not self.spec.output_path:
+            return False
+        out = meta.properties.get("output") or {}
+        batch = int(out.get("batch", meta.properties["batch"]))
+        fs, root = _fs(self.spec.output_path)
+        batch_dir = _join(root, f"batch-{batch:06d}")
+        marker = _join(batch_dir, "_SUCCESS")
+        if fs.exists(marker):
+            return False
+        fs.makedirs(batch_dir, exist_ok=True)
+        for staged, final in out.get("files", []):
+            _, staged_p = _fs(staged)
+            _, final_p = _fs(final)
+            if fs.exists(staged_p):
+                fs.mv(staged_p, final_p)
+            elif not fs.exists(final_p):
+                raise RuntimeError(f"output of batch {batch} is lost: neither {staged} nor {final} exists")
+        with fs.open(marker, "wb") as f:
+            f.write(f"checkpoint {meta.checkpoint_id}\n".encode())
+        self._rm(fs, _join(root, "_staging", f"batch-{batch:06d}"))
+        return True
+
+    def _clean_uncommitted_staging(self) -> None:
+        """On resume: staged files of batches after the latest checkpoint belong to no checkpoint."""
+        if not self.spec.output_path:
+            return
+        fs, root = _fs(self.spec.output_path)
+        staging = _join(root, "_staging")
+        if not fs.exists(staging):
+            return
+        for entry in fs.ls(staging, detail=False):
+            name = posixpath.basename(entry.rstrip("/"))
+            if name.startswith("batch-") and int(name[6:]) >= self.next_batch:
+                self._rm(fs, entry)
+
+    @staticmethod
+    def _rm(fs, path: str) -> None:
+        try:
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    # ---------------------------------------------------------------- retention and garbage
+    def changelog_dir(self) -> str:
+        return _join(self.base_path, self.spec.job_id, "dstl")
+
+    def changelog_files(self) -> Dict[str, int]:
+        """Changelog file name -> size, for every file under `<base>/<job>/dstl/`."""
+        fs, root = _fs(self.changelog_dir())
+        try:
+            entries = fs.ls(root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
+                for e in entries if e.get("type") != "directory"}
+
+    def referenced_files(self) -> Set[str]:
+        """Names of the files the retained checkpoints reference."""
+        from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
+
+        ids = list_checkpoints(self.base_path)[-self.retain:]
+        metas = [read_checkpoint(self.base_path, c) for c in ids]
+        return {posixpath.basename(str(p).rstrip("/")) for p in retained_files(metas)}
+
+    def collect_garbage(self, final: bool = False) -> Tuple[int, int, int]:
+        """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted)."""
+        from dstl.state.metadata import list_checkpoints, remove_checkpoint
+
+        for cid in list_checkpoints(self.base_path)[:-self.retain]:
+            remove_checkpoint(self.base_path, cid)
+        files = self.changelog_files()
+        new = {n: s for n, s in files.items() if n not in self._known_files}
+        keep = self.referenced_files()
+        garbage = set(files) - keep
+        doomed = garbage if final else garbage & self._suspects
+        cfs, croot = _fs(self.changelog_dir())
+        deleted = 0
+        for name in sorted(doomed):
+            try:
+                cfs.rm(_join(croot, name))
+                deleted += 1
+            except FileNotFoundError:
+                pass
+        self._suspects = garbage - doomed
+        self._known_files = {n: s for n, s in files.items() if n not in doomed}
+        return len(new), sum(new.values()), deleted
+
+    def finish(self) -> int:
+        """End of a successful run (no task running): delete every unreferenced changelog file."""
+        if not self.durable:
+            return 0
+        return self.collect_garbage(final=True)[2]
+
+
+def _check_same(stored: JobSpec, asked: JobSpec) -> None:
+    if asked.operator_id != stored.operator_id:
+        raise JobConflictError(f"base path holds job {stored.job_id} of operator {stored.operator_id!r}, "
+                               f"not {asked.operator_id!r}")
+    if asked.max_parallelism and asked.max_parallelism != stored.max_parallelism:
+        raise JobConflictError(f"job {stored.job_id} was started with max parallelism {stored.max_parallelism}; "
+                               f"it cannot change (asked for {asked.max_parallelism})")
+    if asked.output_path and stored.output_path and asked.output_path.rstrip("/") != stored.output_path.rstrip("/"):
+        raise JobConflictError(f"job {stored.job_id} writes its output to {stored.output_path}, "
+                               f"not {asked.output_path}")
+    for k, v in asked.params.items():
+        if k in stored.params and stored.params[k] != v:
+            raise JobConflictError(f"job {stored.job_id} was started with {k}={stored.params[k]!r}; "
+                                   f"resuming with {k}={v!r} would change its input")

@@ -1,0 +1,413 @@
+"""Keyed state inside `mapInPandas`: key-group columns and the stateful task.
+
+Routing. Every row gets its key group (Flink's assignment, vectorised in dstl.keygroups) and its
+logical subtask ``kg * parallelism // max_parallelism``. The rows are then shuffled with
+``repartition(parallelism, salt)``, where ``salt`` is a per-subtask integer chosen so that Spark's own
+hash partitioning (Murmur3, seed 42, ``pmod``) sends subtask ``i`` to partition ``i``: one Spark task
+per logical subtask and micro-batch, every subtask runs even without rows (so it snapshots), and no two
+subtasks share a task. The task checks the routing and fails loudly if Spark ever placed a row
+elsewhere.
+
+Each task takes its subtask's `KeyedStateBackend` from the worker's cache (dstl.spark.cache) when it
+is exactly at the latest completed checkpoint, otherwise restores it from that checkpoint's changelog
+(any old parallelism: RESCALING.md §6). It calls ``fn(rows, state)``, stages the output as a parquet
+file, snapshots the state for the new checkpoint and returns one report row: the serialised
+`KeyedStateSnapshot` beside the staged file and timings. The driver (dstl.spark.coordinator) turns the
+reports into checkpoint metadata and only then commits the staged output.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+KG_COL = "_dstl_kg"
+SUBTASK_COL = "_dstl_subtask"
+SALT_COL = "_dstl_salt"
+INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL)
+
+REPORT_SCHEMA = (
+    "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
+    "rows_out long, restored boolean, restore_ms double, process_ms double, snapshot_ms double, "
+    "state_size long, pid int, host string, cache_hits long, cache_misses long")
+
+_M32 = 0xFFFFFFFF
+
+
+# ------------------------------------------------------------------ Spark's partitioning hash
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def spark_hash_int(value: int, seed: int = 42) -> int:
+    """Spark's `hash()` of an IntegerType value (Murmur3_x86_32.hashInt), as a signed int32."""
+    k1 = (value & _M32) * 0xCC9E2D51 & _M32
+    k1 = _rotl(k1, 15) * 0x1B873593 & _M32
+    h1 = (seed & _M32) ^ k1
+    h1 = (_rotl(h1, 13) * 5 + 0xE6546B64) & _M32
+    h1 ^= 4
+    h1 ^= h1 >> 16
+    h1 = h1 * 0x85EBCA6B & _M32
+    h1 ^= h1 >> 13
+    h1 = h1 * 0xC2B2AE35 & _M32
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
+
+
+def partition_salts(parallelism: int) -> List[int]:
+    """For each subtask i, the smallest int v >= 0 that Spark's `repartition(parallelism, v)` puts in partition i."""
+    if not isinstance(parallelism, int) or parallelism < 1:
+        raise ValueError(f"parallelism must be a positive int, got {parallelism!r}")
+    salts: List[Optional[int]] = [None] * parallelism
+    missing, v = parallelism, 0
+    while missing:
+        p = spark_hash_int(v) % parallelism
+        if salts[p] is None:
+            salts[p] = v
+            missing -= 1
+        v += 1
+    return salts  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ workers must import dstl
+
+def ensure_importable_on_workers(spark) -> None:
+    """Let Python workers import the same dstl as the driver.
+
+    An installed package (pip install, also editable) is found by the workers anyway. When dstl is
+    used from a source tree (tests, a checkout on PYTHONPATH), its parent directory is added to the
+    PYTHONPATH Spark hands to the Python workers it starts. On a real cluster install the package on
+    every executor (see docs/readme/pipeline.md).
+    """
+    import dstl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dstl.__file__)))
+    env = spark.sparkContext.environment
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts + [root])
+
+
+# ------------------------------------------------------------------ columns
+
+def with_key_group(df, key_col: str, max_parallelism: int, name: str = KG_COL):
+    """`df` plus an int column `name`: the Flink key group of `key_col` (vectorised pandas UDF)."""
+    from pyspark.sql import functions as F
+
+    from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
+
+    if not isinstance(max_parallelism, int) or not 1 <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
+        raise ValueError(f"max_parallelism must be in 1..{UPPER_BOUND_MAX_PARALLELISM}, got {max_parallelism!r}")
+    if key_col not in df.columns:
+        raise ValueError(f"key column {key_col!r} not in the DataFrame (columns: {', '.join(df.columns)})")
+    maxp = max_parallelism
+    ensure_importable_on_workers(df.sparkSession)
+
+    @F.pandas_udf("int")
+    def key_group(keys):  # pragma: no cover - runs in the Python worker
+        import pandas as pd
+
+        from dstl.keygroups import assign_key_groups
+
+        return pd.Series(assign_key_groups(keys, maxp), index=keys.index)
+
+    return df.withColumn(name, key_group(F.col(key_col)))
+
+
+def with_subtask(df, key_col: str, max_parallelism: int, parallelism: int, name: str = SUBTASK_COL,
+                 key_group_col: str = KG_COL):
+    """`df` plus the key group and the logical subtask index (Flink's operator index) for `parallelism`."""
+    from pyspark.sql import functions as F
+
+    if not isinstance(parallelism, int) or not 1 <= parallelism <= max_parallelism:
+        raise ValueError(f"parallelism must be in 1..max_parallelism ({max_parallelism}), got {parallelism!r}")
+    if key_group_col not in df.columns:
+        df = with_key_group(df, key_col, max_parallelism, key_group_col)
+    # kg * p < 2^30: exact integer arithmetic, safe under ANSI mode
+    expr = f"CAST((`{key_group_col}` * {parallelism}) DIV {max_parallelism} AS INT)"
+    return df.withColumn(name, F.expr(expr))
+
+
+# ------------------------------------------------------------------ the plan shipped to tasks
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Everything a task needs for one micro-batch (built by the coordinator, pickled into the task)."""
+
+    job_id: str
+    operator_id: str
+    base_path: str
+    storage_options: Dict[str, Any]
+    checkpoint_id: int
+    batch: int
+    parallelism: int
+    max_parallelism: int
+    output_path: Optional[str]
+    #: latest completed checkpoint (None: fresh start) and its accepted attempt tokens per subtask
+    #: (None when its parallelism or max parallelism differs: then nothing can be continued from memory)
+    restore_checkpoint_id: Optional[int] = None
+    restore_tokens: Optional[Tuple[str, ...]] = None
+    backend_options: Dict[str, Any] = field(default_factory=dict)
+    #: --fail-at: this subtask's first attempt crashes half-way through `fn` (marker file = once)
+    fail_subtask: Optional[int] = None
+    fail_marker: Optional[str] = None
+    #: False: the benchmark baseline, state only in the worker's memory (no changelog, no recovery)
+    durable: bool = True
+
+    def staging_dir(self) -> str:
+        return f"{self.output_path.rstrip('/')}/_staging/batch-{self.batch:06d}"
+
+
+class InjectedFailure(RuntimeError):
+    """The crash requested by --fail-at (only the first attempt of the chosen task raises it)."""
+
+
+@dataclass
+class TaskReport:
+    """One subtask's result for one micro-batch, as the driver reads it back."""
+
+    subtask: int
+    attempt: int
+    token: str
+    snapshot: bytes
+    staged: Optional[str]
+    rows_in: int
+    rows_out: int
+    restored: bool
+    restore_ms: float
+    process_ms: float
+    snapshot_ms: float
+    state_size: int
+    pid: int
+    host: str
+    cache_hits: int
+    cache_misses: int
+
+    @classmethod
+    def from_row(cls, row) -> "TaskReport":
+        d = row.asDict() if hasattr(row, "asDict") else dict(row)
+        d["snapshot"] = bytes(d["snapshot"])
+        return cls(**d)
+
+
+# ------------------------------------------------------------------ state backend adapters
+
+def _state_api():
+    from dstl.state.keyed import KeyedStateBackend, KeyedStateSnapshot
+
+    return KeyedStateBackend, KeyedStateSnapshot
+
+
+def snapshot_to_subtask_state(index: int, snapshot_bytes: bytes):
+    """A task's serialised KeyedStateSnapshot -> K's SubtaskState for the checkpoint metadata."""
+    from dstl.state.metadata import SubtaskState
+
+    _, KeyedStateSnapshot = _state_api()
+    return SubtaskState.from_keyed_snapshot(index, KeyedStateSnapshot.from_bytes(snapshot_bytes))
+
+
+def subtask_state_to_snapshot(state, max_parallelism: Optional[int] = None):
+    """K's SubtaskState -> the KeyedStateSnapshot S restores from."""
+    return state.to_keyed_snapshot(max_parallelism)
+
+
+def open_backend(storage, plan: CheckpointPlan, subtask: int):
+    """A fresh backend (no checkpoint yet) or one restored from the plan's completed checkpoint."""
+    from dstl.keygroups import compute_key_group_range_for_operator_index
+
+    KeyedStateBackend, _ = _state_api()
+    kgr = compute_key_group_range_for_operator_index(plan.max_parallelism, plan.parallelism, subtask)
+    if plan.restore_checkpoint_id is None:
+        return KeyedStateBackend(storage, plan.operator_id, kgr, plan.max_parallelism, **plan.backend_options)
+    from dstl.state.metadata import read_checkpoint
+
+    meta = read_checkpoint(plan.base_path, plan.restore_checkpoint_id)
+    if meta.max_parallelism != plan.max_parallelism:
+        raise ValueError(f"checkpoint {meta.checkpoint_id} has max parallelism {meta.max_parallelism}, "
+                         f"the job asks for {plan.max_parallelism}; it cannot change (RESCALING.md §1)")
+    old = [subtask_state_to_snapshot(s, meta.max_parallelism) for s in meta.subtasks
+           if max(s.key_group_range.start, kgr.start) <= min(s.key_group_range.end, kgr.end)]
+    return KeyedStateBackend.restore(storage, plan.operator_id, kgr, plan.max_parallelism, old,
+                                     **plan.backend_options)
+
+
+def _state_size(snapshot) -> int:
+    size = sum(int(getattr(h, "state_size", 0) or 0) for h in snapshot.materialized)
+    if snapshot.changelog is not None:
+        size += int(snapshot.changelog.state_size or 0)
+    return size
+
+
+# ------------------------------------------------------------------ the task
+
+def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_schema) -> Tuple[Optional[str], int]:
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if out is None or len(out) == 0:
+        return None, 0
+    if not isinstance(out, __import__("pandas").DataFrame):
+        raise TypeError(f"fn must return a pandas DataFrame or None, got {type(out).__name__}")
+    missing = [n for n in arrow_schema.names if n not in out.columns]
+    if missing:
+        raise ValueError(f"fn's output lacks the schema's columns {missing}")
+    table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
+    path = f"{plan.staging_dir()}/part-{subtask:05d}-{token}.parquet"
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(fs_path, "wb") as f:
+        pq.write_table(table, f)
+    return path, table.num_rows
+
+
+def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
+    """Continue or restore subtask `subtask`'s state, apply `fn`, stage the output, snapshot."""
+    from dstl.spark.cache import CACHE, storage_for
+
+    if not plan.durable:
+        return _run_in_memory(plan, fn, rows, subtask, attempt, arrow_schema)
+    storage = storage_for(plan.job_id, plan.storage_options)
+    key = (plan.job_id, plan.operator_id, plan.parallelism, plan.max_parallelism, subtask)
+    CACHE.evict_rescaled(plan.job_id, plan.operator_id, plan.parallelism, plan.max_parallelism)
+    t0 = time.perf_counter()
+    want_token = plan.restore_tokens[subtask] if plan.restore_tokens is not None else None
+    backend = CACHE.acquire(key, plan.restore_checkpoint_id, want_token)
+    restored = backend is None
+    if backend is None:
+        backend = open_backend(storage, plan, subtask)
+    else:
+        # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
+        backend.confirm(plan.restore_checkpoint_id)
+    t1 = time.perf_counter()
+    token = uuid.uuid4().hex
+    try:
+        if plan.fail_subtask == subtask and plan.fail_marker:
+            _maybe_fail(plan, fn, rows, backend)
+        out = fn(rows, backend) if len(rows) else None
+        t2 = time.perf_counter()
+        staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
+        snapshot = backend.snapshot(plan.checkpoint_id).result()
+        t3 = time.perf_counter()
+        payload = snapshot.to_bytes()
+    except BaseException:
+        # half-updated: never cached, never used again; its uploads are unreferenced garbage
+        try:
+            backend.close()
+        except Exception:
+            pass
+        raise
+    CACHE.put(key, backend, plan.checkpoint_id, token)
+    return dict(subtask=subtask, attempt=attempt, token=token, snapshot=payload, staged=staged,
+                rows_in=len(rows), rows_out=rows_out, restored=restored,
+                restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t1) * 1e3,
+                snapshot_ms=(t3 - t2) * 1e3, state_size=_state_size(snapshot), pid=os.getpid(),
+                host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses)
+
+
+_MEMORY: Dict[Tuple, Any] = {}
+
+
+def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema):
+    """Baseline: the same operator on dict state kept in this worker (lost whenever the worker changes)."""
+    from dstl.spark.activity import MemoryState
+
+    key = (plan.job_id, plan.operator_id, plan.parallelism, subtask)
+    state = _MEMORY.setdefault(key, MemoryState())
+    token = uuid.uuid4().hex
+    t1 = time.perf_counter()
+    out = fn(rows, state) if len(rows) else None
+    t2 = time.perf_counter()
+    staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
+    return dict(subtask=subtask, attempt=attempt, token=token, snapshot=b"", staged=staged,
+                rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0,
+                process_ms=(t2 - t1) * 1e3, snapshot_ms=0.0, state_size=0, pid=os.getpid(),
+                host=socket.gethostname(), cache_hits=0, cache_misses=0)
+
+
+def _maybe_fail(plan: CheckpointPlan, fn: Callable, rows, backend) -> None:
+    """--fail-at: the first attempt applies half of its rows to the state, then crashes."""
+    import fsspec
+
+    fs, marker = fsspec.core.url_to_fs(plan.fail_marker)
+    if fs.exists(marker):
+        return
+    fs.makedirs(marker.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(marker, "wb") as f:
+        f.write(f"crashed batch {plan.batch} subtask {plan.fail_subtask}\n".encode())
+    half = rows.iloc[: len(rows) // 2]
+    if len(half):
+        fn(half, backend)
+    raise InjectedFailure(f"injected failure (--fail-at {plan.batch}) in subtask {plan.fail_subtask} "
+                          f"after applying {len(half)} of {len(rows)} rows; Spark retries the task")
+
+
+def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequence[str],
+               order_by: Optional[Sequence[str]]):
+    def task(batches):  # pragma: no cover - runs in the Python worker (covered by the Spark tests)
+        import pandas as pd
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        subtask = ctx.partitionId()
+        frames = [b for b in batches if len(b)]
+        rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(columns))
+        if len(rows):
+            wrong = rows[SUBTASK_COL].to_numpy() != subtask
+            if wrong.any():
+                raise RuntimeError(f"Spark task for partition {subtask} received rows of subtask "
+                                   f"{int(rows[SUBTASK_COL].to_numpy()[wrong][0])}: routing broken")
+        rows = rows.drop(columns=[c for c in INTERNAL_COLS if c in rows.columns])
+        if order_by and len(rows) > 1:
+            rows = rows.sort_values(list(order_by), kind="stable", ignore_index=True)
+        report = run_subtask(plan, fn, rows, subtask, ctx.attemptNumber(), arrow_schema)
+        yield pd.DataFrame([report])
+
+    return task
+
+
+def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: int, max_parallelism: int,
+                           storage_config: Any = None, checkpoint: CheckpointPlan,
+                           order_by: Optional[Sequence[str]] = None):
+    """Run ``fn(rows, state)`` per logical subtask over `df`; returns a DataFrame of task reports.
+
+    `fn` gets all rows of one subtask for this micro-batch (a pandas DataFrame, sorted by `order_by`
+    if given) and that subtask's `KeyedStateBackend`; it returns a pandas DataFrame matching `schema`
+    (a DDL string or StructType), or None. Output is staged, not committed: hand the reports to
+    `CheckpointCoordinator.complete` (or use `StatefulJob`). Evaluate the result exactly once.
+    `storage_config` overrides `checkpoint.storage_options` when given (mapping or StorageConfig).
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    if checkpoint.parallelism != parallelism or checkpoint.max_parallelism != max_parallelism:
+        raise ValueError(f"checkpoint plan is for parallelism {checkpoint.parallelism}/{checkpoint.max_parallelism}, "
+                         f"called with {parallelism}/{max_parallelism}")
+    if storage_config is not None:
+        from dstl.config import StorageConfig
+
+        opts = StorageConfig.of(storage_config).to_mapping()
+        checkpoint = _replace(checkpoint, storage_options=opts)
+    if isinstance(schema, str):
+        schema = StructType.fromDDL(schema)
+    arrow_schema = to_arrow_schema(schema)
+    for c in order_by or ():
+        if c not in df.columns:
+            raise ValueError(f"order_by column {c!r} not in the DataFrame")
+    keyed = with_subtask(df, key, max_parallelism, parallelism)
+    salts = partition_salts(parallelism)
+    salt = F.element_at(F.array(*[F.lit(s) for s in salts]), F.col(SUBTASK_COL) + 1)
+    routed = keyed.withColumn(SALT_COL, salt).repartition(parallelism, F.col(SALT_COL))
+    task = _make_task(checkpoint, fn, arrow_schema, routed.columns, order_by)
+    return routed.mapInPandas(task, REPORT_SCHEMA)
+
+
+def _replace(plan: CheckpointPlan, **changes) -> CheckpointPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
