@@ -39,10 +39,10 @@ def byte_view(data, what: str = "change data") -> memoryview:
         mv = memoryview(data)
     except TypeError:
         raise TypeError(f"{what} must be bytes-like, got {type(data).__name__}") from None
-    if mv.format == "B" and mv.ndim == 1:
-        return mv
     if not mv.c_contiguous:
         raise TypeError(f"{what} must be a contiguous buffer")
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
     return mv.cast("B") if mv.ndim <= 1 else mv.cast("B", (mv.nbytes,))
 
 

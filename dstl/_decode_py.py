@@ -49,9 +49,9 @@ def logical_view(logical) -> memoryview:
         mv = memoryview(logical)
     except TypeError:
         raise TypeError(f"the logical stream must be bytes-like, got {type(logical).__name__}") from None
+    if not mv.c_contiguous:
+        raise TypeError("the logical stream must be a contiguous buffer")
     if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise TypeError("the logical stream must be a contiguous buffer")
         mv = mv.cast("B") if mv.ndim <= 1 else mv.cast("B", (mv.nbytes,))
     return mv
 

@@ -186,7 +186,7 @@ cdef class ChangeBuffer:
                 byte_view(data)  # raises the twin's TypeError
             try:
                 PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-            except (TypeError, BufferError):
+            except (TypeError, BufferError, ValueError):
                 byte_view(data)  # raises the twin's TypeError
                 raise TypeError(f"change data must be a contiguous bytes-like object, got {type(data).__name__}")
             have_view = True
@@ -333,7 +333,7 @@ cdef class ChangeBuffer:
         self._check_idle()
         try:
             PyObject_GetBuffer(out, &view, PyBUF_WRITABLE)
-        except (TypeError, BufferError):
+        except (TypeError, BufferError, ValueError):
             writable_view(out)  # raises the twin's TypeError
             raise TypeError(f"out must be a writable contiguous buffer, got {type(out).__name__}")
         pos = pos.__index__()

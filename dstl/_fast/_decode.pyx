@@ -159,7 +159,7 @@ cdef class _Bytes:
         self.held = False
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
-        except (TypeError, BufferError):
+        except (TypeError, BufferError, ValueError):
             logical_view(obj)  # raises the twin's TypeError
             raise TypeError(f"the logical stream must be a contiguous bytes-like object, got {type(obj).__name__}")
         self.held = True
