@@ -276,10 +276,30 @@ def utf8_key_groups(offsets: np.ndarray, data, max_parallelism: int) -> np.ndarr
     return out
 
 
+_OBJECT_CHUNK = 1 << 18
+
+
 def object_key_groups(values, max_parallelism: int) -> np.ndarray:
     """Key groups of a sequence of Python keys, each under the scalar rules; errors name the row."""
     max_parallelism = _check_max_parallelism(max_parallelism)
     n = len(values)
+    kinds = set(map(type, values))
+    if n > _OBJECT_CHUNK and (kinds == {str} or kinds <= {bytes, bytearray}):
+        # bound the temporaries of the numpy path below
+        return np.concatenate([object_key_groups(values[i:i + _OBJECT_CHUNK], max_parallelism)
+                               for i in range(0, n, _OBJECT_CHUNK)])
+    if kinds == {str} or kinds <= {bytes, bytearray} and kinds:
+        # one encode per row, then the numpy polynomial over all rows at once
+        if kinds == {str}:
+            parts = [v.encode("utf-16-le", "surrogatepass") for v in values]
+            units = np.frombuffer(b"".join(parts), dtype="<u2").astype(np.int64)
+            lengths = np.fromiter((len(p) >> 1 for p in parts), dtype=np.int64, count=n)
+        else:
+            units = np.frombuffer(b"".join(values), dtype=np.int8).astype(np.int64)
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=n)
+        offsets = np.concatenate((np.zeros(1, np.int64), np.cumsum(lengths)))
+        codes = _poly_hash(units, offsets, seed_ones=kinds != {str})
+        return _to_key_groups(codes, max_parallelism)
     codes = np.empty(n, dtype=np.int64)
     for i in range(n):
         try:

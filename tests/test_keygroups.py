@@ -472,3 +472,38 @@ def test_cython_and_twin_reject_bad_offsets_alike(offsets, data):
                 fn(np.array(offsets, dtype=np.int64), data, 128)
             messages.append(str(info.value))
     assert len(set(messages)) == 1, messages
+
+
+def test_twin_chunking_gives_the_same_result(monkeypatch):
+    """The twin bounds its temporaries by working in row chunks; chunk edges must not matter."""
+    twin = importlib.import_module("dstl._hash_py")
+    words = [f"k{i}-\U0001F600" if i % 3 == 0 else f"é{i}" * (i % 5) for i in range(500)]
+    expected = [kg.assign_to_key_group(w, 1000) for w in words]
+    blobs = [w.encode() for w in words]
+    expected_bytes = [kg.assign_to_key_group(b, 1000) for b in blobs]
+    monkeypatch.setattr(twin, "_CHUNK_BYTES", 37)
+    monkeypatch.setattr(twin, "_OBJECT_CHUNK", 41)
+    offsets, data = kg._arrow_layout(pa.array(words, pa.string()), np.int32)
+    assert twin.utf8_key_groups(offsets, data, 1000).tolist() == expected
+    offsets, data = kg._arrow_layout(pa.array(blobs, pa.large_binary()), np.int64)
+    assert twin.binary_key_groups(offsets, data, 1000).tolist() == expected_bytes
+    assert twin.object_key_groups(words, 1000).tolist() == expected
+    assert twin.object_key_groups(blobs, 1000).tolist() == expected_bytes
+
+
+def test_cython_and_twin_agree_on_object_columns():
+    compiled, twin = _both_kernels()
+    rng = np.random.default_rng(5)
+    words = ["".join(chr(c) for c in rng.integers(1, 0x10FFFF, size=n)) for n in rng.integers(0, 9, size=3000)]
+    blobs = [rng.bytes(int(n)) for n in rng.integers(0, 9, size=3000)]
+    ints = [int(x) for x in rng.integers(-(2**63), 2**63 - 1, size=3000)]
+    mixed = [x for triple in zip(words, blobs, ints) for x in triple] + [bytearray(b"xy")]
+    for column in (words, blobs, ints, mixed):
+        assert np.array_equal(compiled.object_key_groups(column, 999), twin.object_key_groups(column, 999))
+    for bad in (["a", None], [b"a", 1.0], [1, 2**64]):
+        errors = []
+        for module in (compiled, twin):
+            with pytest.raises((TypeError, ValueError)) as info:
+                module.object_key_groups(bad, 128)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1]
