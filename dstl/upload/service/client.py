@@ -343,10 +343,7 @@ class ServiceConnection:
         if not self.closing:
             self.close_uploads(30.0)
         self._closed_event.set()
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        hard_close(self.conn)
         self._callbacks.put((None, None))
         for name in shm.list_segments(self.prefix):  # nothing of ours may outlive us
             shm.unlink(name)
@@ -363,6 +360,25 @@ def _close_all_at_exit() -> None:
             c.shutdown()
         except Exception:
             pass
+
+
+def hard_close(conn) -> None:
+    """Shut the socket down before closing it: a plain close() while our reader thread sits in recv()
+    would neither wake that thread nor send the peer its end-of-file."""
+    import socket
+
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.close()
+    except OSError:
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
 
 
 def _complete(task, path, local_path, logical_size, results) -> None:

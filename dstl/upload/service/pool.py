@@ -92,6 +92,7 @@ class UploaderPool:
         if w is None or self._closed:
             self._idle.put(None)  # wake the next waiter too
             raise CancelledError("the upload service is shutting down")
+        intent = None
         try:
             w.conn.send(job)
             while True:
@@ -101,6 +102,9 @@ class UploaderPool:
                         msg = w.conn.recv()
                     except (EOFError, OSError):
                         msg = None
+                    if msg is not None and msg[0] == "intent":
+                        intent = msg[1]
+                        continue
                     break
                 if w.proc.sentinel in ready:
                     msg = None
@@ -110,8 +114,10 @@ class UploaderPool:
         if msg is None:
             self._replace(w)
             w.proc.join(5)
-            raise UploadServiceError(
+            err = UploadServiceError(
                 f"uploader process {w.pid} died during the attempt (exit code {w.proc.exitcode})")
+            err.partial_file = intent  # type: ignore[attr-defined]  # may exist half-written
+            raise err
         self._idle.put(w)
         if msg[0] == "ok":
             return msg[1]

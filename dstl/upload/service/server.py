@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import Counter as _Counter
 from concurrent.futures import CancelledError
 from multiprocessing.connection import Listener
@@ -94,10 +95,14 @@ class _BatchAction:
         with self.lock:
             self.attempts += 1
             n = self.attempts
+        job = dict(self.job, file_name=str(uuid.uuid4()))
         try:
-            res = self.service.pool.run(self.job)
+            res = self.service.pool.run(job)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
+            partial = getattr(exc, "partial_file", None)
+            if partial:  # a killed uploader cannot clean up after itself
+                self.service.registry.submit("discard", partial)
             raise
         self._record(res["metrics"])
         return n, res
@@ -491,6 +496,7 @@ class UploadService:
                 if name == "ping":
                     value = args
                 elif name == "status":
+                    self._ready.wait(60)
                     value = self.status()
                 elif name == "count":
                     value = self.registry.query("count", args)
@@ -526,6 +532,9 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s service %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # operators: `kill -USR1 <pid>` dumps stacks to the log
     with open(paths.config_file) as f:
         config = StorageConfig.from_mapping(json.load(f))
     linger = int(os.environ.get("DSTL_SERVICE_LINGER_MS", LINGER_MS_DEFAULT))

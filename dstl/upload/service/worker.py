@@ -7,6 +7,7 @@ the service applies them in its registry only for the winning attempt.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -69,6 +70,43 @@ def _noop(*_a) -> None:
 _uploaders: Dict[tuple, object] = {}
 
 
+class _FixedName:
+    """Stands in for the uploader module's `uuid` during one attempt: the file name is chosen by the
+    service, which announced it beforehand, so a worker killed mid-write leaves no unknown file."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def uuid4(self) -> str:
+        return self.name
+
+
+@contextlib.contextmanager
+def _file_name(name):
+    import dstl.upload.uploader as up
+
+    if name is None:
+        yield
+        return
+    saved = up.uuid
+    up.uuid = _FixedName(name)  # one attempt at a time per worker process, so this is not racy
+    try:
+        yield
+    finally:
+        up.uuid = saved
+
+
+def intended_url(job: dict) -> str:
+    """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, root = fsspec.core.url_to_fs(job["base_path"])
+    root = root.rstrip("/") if root not in ("/", "") else root
+    path = f"{root.rstrip('/')}/{job['job_id']}/dstl/{job['file_name']}"
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
 def run_attempt(job: dict) -> dict:
     """Upload one batch. `job`: base_path, job_id, local_dir, compression, buffer_size and
     `tasks`: [(task_key, segment, [(offset, length, log_id_bytes, sqn, size, num_changes)])].
@@ -106,7 +144,8 @@ def run_attempt(job: dict) -> dict:
                 sets.append(SealedChangeSet(uuid.UUID(bytes=log_id), sqn, view, size, num))
             tasks.append(UploadTask(sets, _noop, _noop))
         try:
-            result = uploader.upload(tasks)
+            with _file_name(job.get("file_name")):
+                result = uploader.upload(tasks)
         except BaseException as exc:
             exc.dstl_metrics = metrics.as_dict()  # type: ignore[attr-defined]
             raise
@@ -160,6 +199,8 @@ def worker_main(conn) -> None:
             return
         start = time.perf_counter_ns()
         try:
+            if job.get("file_name"):
+                conn.send(("intent", intended_url(job)))
             res = run_attempt(job)
             res["wall_ns"] = time.perf_counter_ns() - start
             msg = ("ok", res)

@@ -1,0 +1,180 @@
+"""Helpers for the upload-service tests: an isolated runtime directory, process bookkeeping by PID, and a
+file system whose writes can be held from another process.
+
+`gatefs` (protocol ``gate``, URLs ``gate:///abs/path``) is a local filesystem for cross-process fault
+injection: while the file ``<root>/.gate`` exists, every write-open of a changelog file first creates
+``<root>/.held-<pid>`` and waits (at most 30 s) until ``.gate`` is removed. The service's uploader
+processes import it through ``DSTL_SERVICE_IMPORTS=service_util``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Iterable, List, Optional
+
+from fsspec.implementations.local import LocalFileSystem
+import fsspec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class GateFileSystem(LocalFileSystem):
+    protocol = "gate"
+    root_marker = "/"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, str) and path.startswith("gate://"):
+            path = path[len("gate://"):]
+        return LocalFileSystem._strip_protocol(path)
+
+    def unstrip_protocol(self, name: str) -> str:
+        return "gate://" + self._strip_protocol(name)
+
+    def _open(self, path, mode="rb", **kw):
+        if any(c in mode for c in "wxa") and "/dstl/" in path:
+            root = path.split("/dstl/")[0].rsplit("/", 1)[0]
+            gate = os.path.join(root, ".gate")
+            if os.path.exists(gate):
+                held = os.path.join(root, f".held-{os.getpid()}")
+                open(held, "w").close()
+                deadline = time.monotonic() + 30
+                try:
+                    while os.path.exists(gate) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                finally:
+                    try:
+                        os.unlink(held)
+                    except FileNotFoundError:
+                        pass
+        return super()._open(path, mode, **kw)
+
+
+fsspec.register_implementation("gate", GateFileSystem, clobber=True)
+
+
+def gate_url(root) -> str:
+    return "gate://" + os.path.abspath(str(root))
+
+
+def held_pids(root) -> List[int]:
+    return [int(n.split("-", 1)[1]) for n in os.listdir(root) if n.startswith(".held-")]
+
+
+def children_of(pid: int) -> List[int]:
+    """Every descendant of `pid` (from /proc), deepest last."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            kids.append(int(entry))
+    out = list(kids)
+    for k in kids:
+        out += children_of(k)
+    return out
+
+
+def alive(pid: int) -> bool:
+    from dstl.upload.service.runtime import pid_alive
+
+    return pid_alive(pid)
+
+
+def wait_dead(pids: Iterable[int], timeout: float = 20.0) -> List[int]:
+    """Wait for `pids` to exit; return the ones still alive at the deadline."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.02)
+    return [p for p in pids if alive(p)]
+
+
+def kill_tree(pid: Optional[int]) -> None:
+    """SIGKILL `pid` and its descendants (test clean-up, by PID)."""
+    if not pid:
+        return
+    for p in [pid] + children_of(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def service_pids(runtime_root: str) -> List[int]:
+    """Pids written by the services under `runtime_root`."""
+    out = []
+    for d in os.listdir(runtime_root):
+        try:
+            with open(os.path.join(runtime_root, d, "pid")) as f:
+                out.append(int(f.read().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+class Runtime:
+    """An isolated service runtime directory (short path, for the Unix socket) with a short linger."""
+
+    def __init__(self, linger_ms: int = 300):
+        self.root = tempfile.mkdtemp(prefix="dq", dir="/tmp")
+        self._saved = {k: os.environ.get(k) for k in ("DSTL_RUNTIME_DIR", "DSTL_SERVICE_LINGER_MS",
+                                                     "DSTL_SERVICE_IMPORTS", "PYTHONPATH")}
+        os.environ["DSTL_RUNTIME_DIR"] = self.root
+        os.environ["DSTL_SERVICE_LINGER_MS"] = str(linger_ms)
+        os.environ["DSTL_SERVICE_IMPORTS"] = "service_util"
+        os.environ["PYTHONPATH"] = HERE + (os.pathsep + self._saved["PYTHONPATH"]
+                                           if self._saved["PYTHONPATH"] else "")
+        self.seen: List[int] = []
+
+    def remember(self, pid: int) -> int:
+        """Track a service pid (and, at clean-up, its descendants) for killing."""
+        self.seen.append(pid)
+        return pid
+
+    def cleanup(self) -> None:
+        import shutil
+
+        pids = set(self.seen) | set(service_pids(self.root))
+        tree = []
+        for p in pids:
+            tree += [p] + children_of(p)
+        for p in pids:  # polite first: lets the service unlink its segments
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        left = wait_dead(tree, 15)
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def python_child(code: str, *args: str, env=None):
+    """Start `python -c code args...` with the repo and tests on the path; returns the Popen."""
+    import subprocess
+
+    e = dict(os.environ if env is None else env)
+    root = os.path.dirname(HERE)
+    e["PYTHONPATH"] = os.pathsep.join([root, HERE] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)

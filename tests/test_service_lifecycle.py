@@ -1,0 +1,199 @@
+"""Upload service (process mode): start-up under the file lock, sharing, linger, shared memory, batching."""
+from __future__ import annotations
+
+import json
+import shutil
+import os
+import time
+import uuid
+
+import pytest
+
+from service_util import Runtime, alive, children_of, gate_url, held_pids, python_child, wait_dead
+
+from dstl.types import KeyGroupRange
+
+KGR = KeyGroupRange(0, 127)
+
+
+@pytest.fixture
+def runtime():
+    rt = Runtime(linger_ms=300)
+    try:
+        yield rt
+    finally:
+        rt.cleanup()
+
+
+def _storage(base, **opts):
+    from dstl.storage import open_storage
+
+    opts.setdefault("upload_mode", "process")
+    opts.setdefault("job_id", uuid.uuid4().hex)
+    return open_storage(str(base), **opts)
+
+
+def _segments(prefix="dstl_"):
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def test_two_storages_share_one_service_and_it_stops_after_the_last(runtime, tmp_path):
+    a = _storage(tmp_path / "base")
+    b = _storage(tmp_path / "base")
+    pid = runtime.remember(a.scheduler.service_pid)
+    assert b.scheduler.service_pid == pid
+    status = a.scheduler.status()
+    assert len(status["clients"]) == 2 and status["registry_pid"] and status["uploader_pids"]
+    wa, wb = a.create_writer("op", KGR), b.create_writer("op", KGR)
+    wa.append(1, b"a" * 10)
+    wb.append(2, b"b" * 10)
+    fa, fb = wa.persist(0, 1), wb.persist(0, 1)
+    ra, rb = fa.result(20), fb.result(20)
+    # one drain took both writers' tasks: both change sets are in one file
+    pa = ra.job_manager_owned_snapshot.handles_and_offsets[0][0].path
+    pb = rb.job_manager_owned_snapshot.handles_and_offsets[0][0].path
+    assert os.path.dirname(pa) != os.path.dirname(pb) or pa == pb  # different jobs -> different dirs
+    a.close()
+    assert alive(pid)  # b is still connected
+    wa.close()
+    wb.close()
+    b.close()
+    family = [pid] + children_of(pid)
+    assert wait_dead(family, 15) == [], "service and its children must stop after the linger"
+    assert not os.path.exists(os.path.join(runtime.root, os.listdir(runtime.root)[0], "sock"))
+    assert _segments(f"dstl_{status['instance']}") == []
+
+
+def test_same_job_writers_of_two_clients_share_a_file(runtime, tmp_path):
+    job = uuid.uuid4().hex
+    a = _storage(tmp_path / "base", job_id=job, batch_persist_delay="300 ms")
+    b = _storage(tmp_path / "base", job_id=job, batch_persist_delay="300 ms")
+    runtime.remember(a.scheduler.service_pid)
+    wa, wb = a.create_writer("op", KGR), b.create_writer("op", KGR)
+    wa.append(1, b"a" * 10)
+    wb.append(2, b"b" * 10)
+    fa, fb = wa.persist(0, 1), wb.persist(0, 1)
+    ha = fa.result(20).job_manager_owned_snapshot
+    hb = fb.result(20).job_manager_owned_snapshot
+    assert ha.handles_and_offsets[0][0].path == hb.handles_and_offsets[0][0].path
+    assert os.listdir(tmp_path / "base" / job / "dstl") == [os.path.basename(ha.handles_and_offsets[0][0].path)]
+    assert [bytes(c.data) for c in a.create_reader().get_changes(ha)] == [b"a" * 10]
+    assert [bytes(c.data) for c in b.create_reader().get_changes(hb)] == [b"b" * 10]
+    assert a.metrics["ChangelogStorage.uploadBatchSizes"]["max"] == 2
+    for x in (wa, wb, a, b):
+        x.close()
+
+
+def test_racing_processes_start_exactly_one_service(runtime, tmp_path):
+    code = (
+        "import sys, uuid\n"
+        "from dstl.storage import open_storage\n"
+        "s = open_storage(sys.argv[1], upload_mode='process', job_id=uuid.uuid4().hex)\n"
+        "print(s.scheduler.service_pid, flush=True)\n"
+        "sys.stdin.read() if False else None\n"
+        "import time; time.sleep(1.0)\n"
+        "s.close()\n"
+    )
+    procs = [python_child(code, str(tmp_path / "base")) for _ in range(4)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    pids = {int(o.strip()) for o, _ in outs}
+    for p in pids:
+        runtime.remember(p)
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    assert len(pids) == 1
+
+
+def test_segment_lives_while_the_upload_runs_and_is_unlinked_after(runtime, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    s = _storage(gate_url(base))
+    runtime.remember(s.scheduler.service_pid)
+    prefix = s.scheduler.connection.prefix
+    w = s.create_writer("op", KGR)
+    w.append(3, b"x" * 1000)
+    (base / ".gate").touch()
+    f = w.persist(0, 1)
+    deadline = time.monotonic() + 20
+    while not held_pids(base) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held_pids(base), "the upload never reached the file system"
+    segs = _segments(prefix)
+    assert len(segs) == 1
+    assert os.path.getsize(f"/dev/shm/{segs[0]}") >= 1000
+    os.unlink(base / ".gate")
+    r = f.result(20)
+    assert r.job_manager_owned_snapshot.state_size == 1000
+    assert _segments(prefix) == []
+    w.close()
+    s.close()
+    assert _segments(prefix) == []
+
+
+def test_back_pressure_is_shared_by_every_client(runtime, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    opts = dict(upload_max_in_flight="1 kb", batch_persist_size_threshold="1 kb", batch_persist_delay="0 ms")
+    a = _storage(gate_url(base), **opts)
+    b = _storage(gate_url(base), **opts)
+    runtime.remember(a.scheduler.service_pid)
+    wa = a.create_writer("op", KGR)
+    (base / ".gate").touch()
+    wa.append(1, b"z" * 2000)
+    fa = wa.persist(0, 1)
+    deadline = time.monotonic() + 10
+    while b.get_availability_provider().is_available() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # a's bytes fill the service: b (another client) sees it as unavailable too
+    assert not b.get_availability_provider().is_available()
+    assert b.metrics["ChangelogStorage.availability"] == 0
+    fut = b.get_availability_provider().future
+    assert not fut.done()
+    os.unlink(base / ".gate")
+    fa.result(20)
+    fut.result(10)
+    assert b.get_availability_provider().is_available()
+    for x in (wa, a, b):
+        x.close()
+
+
+def test_storage_start_up_is_fast_once_the_service_runs(runtime, tmp_path):
+    a = _storage(tmp_path / "base")
+    runtime.remember(a.scheduler.service_pid)
+    t = time.perf_counter()
+    b = _storage(tmp_path / "base")
+    connect_s = time.perf_counter() - t
+    assert b.scheduler.service_pid == a.scheduler.service_pid
+    assert connect_s < 5.0  # generous bound: this is a liveness check, speed lives in bench/
+    assert b.scheduler.ping() < 5.0
+    a.close()
+    b.close()
+
+
+def test_service_config_file_and_bad_runtime_dir(runtime, tmp_path):
+    from dstl.config import StorageConfig
+    from dstl.upload.service.runtime import ServicePaths, service_key
+
+    c1 = StorageConfig(str(tmp_path / "b"), upload_mode="process")
+    c2 = c1.replace(compression_enabled=True)
+    c3 = c1.replace(preemptive_persist_threshold=1)
+    assert service_key(c1) != service_key(c2)  # different files -> different services
+    assert service_key(c1) == service_key(c3)  # client-side option only
+    assert service_key(c1) == service_key(StorageConfig(str(tmp_path / "b") + "/", upload_mode="process"))
+    s = _storage(tmp_path / "b")
+    runtime.remember(s.scheduler.service_pid)
+    with open(ServicePaths.for_config(c1).config_file) as f:
+        assert json.load(f)["dstl.dfs.base-path"] == str(tmp_path / "b")
+    s.close()
+    long_dir = "/tmp/" + "x" * 120
+    os.environ["DSTL_RUNTIME_DIR"] = long_dir
+    try:
+        with pytest.raises(OSError, match="too long"):
+            ServicePaths.for_config(c1)
+    finally:
+        os.environ["DSTL_RUNTIME_DIR"] = runtime.root
+        shutil.rmtree(long_dir, ignore_errors=True)
