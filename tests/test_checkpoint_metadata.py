@@ -273,3 +273,49 @@ def test_s3_latest_ignores_truncated_and_temp_keys(s3_bucket):
     assert latest_checkpoint(base).checkpoint_id == 4
     remove_checkpoint(base, 4)
     assert list_checkpoints(base) == [1, 2]
+
+
+# ------------------------------------------------------------------ with the real keyed state backend
+
+
+@pytest.mark.parametrize("new_parallelism", [1, 3])
+def test_keyed_and_operator_state_through_a_checkpoint_and_a_rescale(tmp_path, new_parallelism):
+    import numpy as np
+
+    from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+    from dstl.state.keyed import KeyedStateBackend
+    from dstl.storage import open_storage
+
+    max_p, base = 128, str(tmp_path)
+    users = np.array([f"user-{i}" for i in range(60)], dtype=object)
+    owner = operator_indices_for_key_groups(assign_key_groups(users, max_p), max_p, 2)
+    expected = {u: i * 10 for i, u in enumerate(users)}
+    with open_storage(base + "/changelog", job_id=JOB, upload_mode="direct") as storage:
+        subtasks = []
+        for i, kgr in enumerate(key_group_ranges(max_p, 2)):
+            backend = KeyedStateBackend(storage, "op", kgr, max_p)
+            state = backend.value_state("v")
+            for u in users[owner == i]:
+                state.update(u, expected[u])
+            offsets = OperatorListState("offsets", values=[[2 * i, 7], [2 * i + 1, 9]])
+            snap = backend.snapshot(1).result()
+            subtasks.append(SubtaskState.from_keyed_snapshot(i, snap, [snapshot_operator_state([offsets])]))
+            backend.close()
+        write_checkpoint(base, CheckpointMetadata(1, max_p, 2, subtasks, job_id=JOB))
+        meta = latest_checkpoint(base, job_id=JOB)
+        assert retained_files([meta]) and all(f.startswith(base) for f in retained_files([meta]))
+        for f in retained_files([meta]):
+            assert os.path.isfile(f)
+
+        restored, units = {}, []
+        new_ops = repartition(meta.operator_states(), new_parallelism)
+        for i, kgr in enumerate(key_group_ranges(max_p, new_parallelism)):
+            backend = KeyedStateBackend.restore(storage, "op", kgr, max_p, meta.keyed_snapshots())
+            part = dict(backend.value_state("v").items())
+            assert not set(part) & set(restored)  # no key restored twice
+            restored.update(part)
+            backend.close()
+            ops = restore_operator_state(new_ops[i])
+            units += [tuple(u) for u in ops["offsets"].get()] if "offsets" in ops else []
+    assert restored == expected
+    assert sorted(units) == [(0, 7), (1, 9), (2, 7), (3, 9)]
