@@ -25,6 +25,27 @@ cdef enum:
 
 cdef int64_t INT32_MAX = 2147483647
 
+cdef extern from "sys/mman.h" nogil:
+    int madvise(void* addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+cdef extern from *:
+    """
+    #ifndef MADV_HUGEPAGE
+    #define MADV_HUGEPAGE 14
+    #endif
+    """
+
+
+cdef inline void huge_pages(void* start, int64_t length) noexcept nogil:
+    """Ask for transparent huge pages on the 2 MiB-aligned inside of a large fresh region: first-touch
+    page faults dominate writing 100 MB into new memory, and a huge page takes 1/512 of them."""
+    cdef size_t huge = 2 << 20
+    cdef size_t a = (<size_t>start + huge - 1) & ~(huge - 1)
+    cdef size_t b = (<size_t>start + <size_t>length) & ~(huge - 1)
+    if length >= 8 * <int64_t>huge and b > a:
+        madvise(<void*>a, b - a, MADV_HUGEPAGE)  # advisory: failure just means small pages
+
 
 cdef inline void put_be32(unsigned char* p, int32_t value) noexcept nogil:
     cdef uint32_t v = <uint32_t>value
@@ -125,6 +146,7 @@ cdef class ChangeBuffer:
                 raise MemoryError()
             self.arena = <unsigned char*>p
             self.arena_cap = new_cap
+            huge_pages(self.arena, new_cap)
         return 0
 
     cdef int _new_run(self, const unsigned char* base) except -1:
@@ -318,6 +340,7 @@ cdef class ChangeBuffer:
         self._check_idle()
         cdef int64_t total = 4 + 8 * self.num_groups + 4 * self.n + self.payload
         body = PyBytes_FromStringAndSize(NULL, total)
+        huge_pages(PyBytes_AS_STRING(body), total)
         self.busy = True
         try:
             self._write(<unsigned char*>PyBytes_AS_STRING(body))
