@@ -219,7 +219,7 @@ def _row_chunks(o: np.ndarray):
 
 def _as_u8(data) -> np.ndarray:
     if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     return np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
 
 

@@ -507,3 +507,23 @@ def test_cython_and_twin_agree_on_object_columns():
                 module.object_key_groups(bad, 128)
             errors.append((type(info.value), str(info.value)))
         assert errors[0] == errors[1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 32768).flatmap(lambda m: st.tuples(st.just(m), st.integers(1, m))))
+def test_property_ranges_partition_the_key_groups(args):
+    max_p, p = args
+    ranges = kg.key_group_ranges(max_p, p)
+    assert ranges[0].start == 0 and ranges[-1].end == max_p - 1
+    assert all(b.start == a.end + 1 for a, b in zip(ranges, ranges[1:]))
+    assert max(len(r) for r in ranges) - min(len(r) for r in ranges) <= 1
+    owners = kg.operator_indices_for_key_groups(np.arange(max_p), max_p, p)
+    assert np.array_equal(owners, np.repeat(np.arange(p), [len(r) for r in ranges]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(2**31), 2**31 - 1))
+def test_property_cython_and_twin_murmur_agree(code):
+    compiled, twin = _both_kernels()
+    assert compiled.murmur_hash(code) == twin.murmur_hash(code) >= 0
+    assert compiled.int64_key_groups(np.array([code], np.int64), 32768)[0] == twin.murmur_hash(code) % 32768

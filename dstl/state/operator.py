@@ -121,6 +121,8 @@ class OperatorStateHandle:
             checked[name] = StateMetaInfo(offsets, _mode(mode))
         self._states = checked
         self._data = data
+        if stream_id is not None and (not isinstance(stream_id, str) or not stream_id):
+            raise ValueError(f"stream_id must be a non-empty string, got {stream_id!r}")
         self._stream_id = stream_id if stream_id is not None else uuid.uuid4().hex
 
     @property
