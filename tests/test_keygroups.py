@@ -527,3 +527,12 @@ def test_property_cython_and_twin_murmur_agree(code):
     compiled, twin = _both_kernels()
     assert compiled.murmur_hash(code) == twin.murmur_hash(code) >= 0
     assert compiled.int64_key_groups(np.array([code], np.int64), 32768)[0] == twin.murmur_hash(code) % 32768
+
+
+def test_murmur_min_value_branch():
+    # found by scanning all 2^32 codes with the §3 steps: the only code whose mixed value is
+    # Integer.MIN_VALUE (-> 0 by the last rule), and the only one whose mixed value is 0 itself
+    assert kg.murmur_hash(-2089875627) == 0
+    assert kg.murmur_hash(-1035494534) == 0
+    assert kg.assign_key_groups(np.array([-2089875627, -1035494534, 0]), 1000).tolist() == [0, 0, 593689054 % 1000]
+    assert kg.assign_to_key_group(-2089875627, 7) == 0
