@@ -1,0 +1,204 @@
+"""Materialization: compact per-key-group snapshots, bounded replay, truncation, file ownership."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
+from dstl.state import changes as C
+from dstl.state.keyed import KeyedStateBackend
+from dstl.storage import open_storage
+from dstl.types import KeyGroupRange
+
+from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401  (fixture)
+
+MAXP = 128
+FULL = KeyGroupRange(0, MAXP - 1)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    st = open_storage(str(tmp_path / "cl"), upload_mode="direct")
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+def dump(backend):
+    return {name: dict(state.all_items()) for name, state in backend._states.items()}
+
+
+def fill(backend, n, start=0):
+    backend.value_state("v").update_many(np.arange(start, start + n), np.arange(n) * 2)
+    m = backend.map_state("m")
+    for k in range(start, start + min(n, 50)):
+        m.put(k, "x", k)
+
+
+def wait_gone(path, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not os.path.exists(path)
+
+
+def test_materialized_handle_holds_one_change_per_key_group(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 1000)
+    b.materialize()
+    (handle,) = b._mat.handles
+    changes = storage.create_reader().read_all(handle)
+    meta = [c for c in changes if c.key_group == -1]
+    data = [c for c in changes if c.key_group >= 0]
+    assert len(meta) == 2
+    assert {c.key_group for c in data} == set(b.key_groups())
+    assert len(data) == len(b.key_groups())          # exactly one change per non-empty key group
+    assert all(c.data[0] == C.KEY_GROUP_SNAPSHOT for c in data)
+    for c in data[:5]:
+        _, body = C.decode(c.data)
+        keys = [k for _, entries in body for k in entries]
+        assert all(assign_to_key_group(k, MAXP) == c.key_group for k in keys)
+
+
+def test_restore_after_materialization_reads_no_older_changes(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 5000)
+    s1 = b.snapshot(1).result()
+    b.confirm(1)
+    b.materialize()
+    b.value_state("v").update_many(np.arange(10), np.arange(10) + 100)   # 10 changes after it
+    b.map_state("m").remove(3, "x")                                      # 1 more
+    s2 = b.snapshot(2).result()
+    r = KeyedStateBackend.restore(storage, "op", FULL, MAXP, [s2])
+    assert dump(r) == dump(b)
+    # the tail has the re-announced metadata (2) and the 11 changes after the materialization
+    tail = storage.create_reader().read_all(s2.changelog)
+    assert len(tail) == 2 + 11
+    n_kg = len(b.key_groups())
+    st = r.restore_stats
+    assert st["changes_read"] == (2 + n_kg) + (2 + 11)   # materialized handle + tail, nothing older
+    assert st["changes_read"] < 5000
+    # without the materialization the same state costs every change since the start
+    full = KeyedStateBackend.restore(storage, "op", FULL, MAXP, [s1])
+    assert full.restore_stats["changes_read"] >= 5000
+
+
+def test_confirm_truncates_the_log_before_the_materialization(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 100)
+    b.snapshot(1).result()
+    b.confirm(1)
+    b.materialize()
+    sqn = int(b._mat.sqn)
+    assert sqn > 0 and int(b.writer.lowest_sequence_number) == 0
+    fill(b, 10, start=500)
+    b.snapshot(2).result()
+    assert int(b.writer.lowest_sequence_number) == 0    # not before a checkpoint with it is confirmed
+    b.confirm(2)
+    assert int(b.writer.lowest_sequence_number) == sqn
+    assert all(s >= sqn for s in b.writer.uploaded_sequence_numbers())
+
+
+def test_superseded_unconfirmed_materialization_is_deleted_confirmed_one_kept(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 200)
+    b.materialize()                      # m1, confirmed by checkpoint 1
+    s1 = b.snapshot(1).result()
+    b.confirm(1)
+    m1_files = s1.materialized[0].files()
+    fill(b, 10, start=300)
+    b.materialize()                      # m2, only in checkpoint 2, which is never confirmed
+    s2 = b.snapshot(2).result()
+    m2_files = s2.materialized[0].files()
+    fill(b, 10, start=400)
+    b.materialize()                      # m3, confirmed by checkpoint 3
+    s3 = b.snapshot(3).result()
+    b.confirm(3)
+    assert all(wait_gone(f) for f in m2_files)          # released: no checkpoint owns it
+    assert all(os.path.exists(f) for f in m1_files)     # owned by checkpoint 1 (left to gc)
+    assert dump(KeyedStateBackend.restore(storage, "op", FULL, MAXP, [s3])) == dump(b)
+
+
+def test_interval_by_changes_and_bytes(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP, materialize_every_changes=100)
+    v = b.value_state("v")
+    for i in range(250):
+        v.update(i, i)
+    assert b.materializations == 2
+    v.update_many(np.arange(1000), np.arange(1000))      # checked once, after the batch
+    assert b.materializations == 3
+    c = KeyedStateBackend(storage, "op2", FULL, MAXP, materialize_every_bytes=4096)
+    w = c.value_state("w")
+    for i in range(100):
+        w.update(i, "x" * 100)
+    assert 2 <= c.materializations <= 4
+    snap = c.snapshot(1).result()
+    assert dump(KeyedStateBackend.restore(storage, "op2", FULL, MAXP, [snap])) == dump(c)
+
+
+def test_materialize_without_changes_is_a_no_op(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 10)
+    b.materialize()
+    first = b._mat
+    b.materialize()
+    assert b._mat is first and b.materializations == 1
+
+
+@pytest.mark.parametrize("new_p", [1, 3, 4, 8])
+def test_materialized_snapshot_splits_on_rescale(storage, new_p):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    fill(b, 2000)
+    b.materialize()
+    snap = b.snapshot(1).result()
+    news = [KeyedStateBackend.restore(storage, "op", kg_range(MAXP, new_p, i), MAXP, [snap])
+            for i in range(new_p)]
+    merged = {}
+    for r in news:
+        n_kg = len([kg for kg in b.key_groups() if kg in r.key_group_range])
+        # only the key-group snapshots of its own range are applied (metadata is read everywhere)
+        assert r.restore_stats["changes_applied"] == n_kg
+        for name, items in dump(r).items():
+            merged.setdefault(name, {}).update(items)
+    assert merged == dump(b)
+
+
+def test_failed_materialization_changes_nothing(faulty, tmp_path):
+    st = open_storage(faulty_url(tmp_path / "cl"), upload_mode="direct")
+    try:
+        b = KeyedStateBackend(st, "op", FULL, MAXP)
+        fill(b, 100)
+        FAULTS.fail_writes(1)
+        with pytest.raises(OSError):
+            b.materialize()
+        assert b._mat is None and b.materializations == 0
+        fill(b, 10, start=1000)
+        snap = b.snapshot(1).result()
+        assert snap.materialized == []
+        assert dump(KeyedStateBackend.restore(st, "op", FULL, MAXP, [snap])) == dump(b)
+    finally:
+        st.close()
+
+
+def test_rescale_after_materialization_and_more_changes(storage):
+    olds = [KeyedStateBackend(storage, "op", kg_range(MAXP, 2, i), MAXP) for i in range(2)]
+    model = {}
+    for k in range(400):
+        o = olds[0] if assign_to_key_group(k, MAXP) in olds[0].key_group_range else olds[1]
+        o.value_state("v").update(k, k)
+        model[k] = k
+    olds[0].materialize()                 # only one of them materialized
+    for k in range(0, 400, 3):
+        o = olds[0] if assign_to_key_group(k, MAXP) in olds[0].key_group_range else olds[1]
+        o.value_state("v").clear(k)
+        del model[k]
+    snaps = [o.snapshot(7).result() for o in olds]
+    news = [KeyedStateBackend.restore(storage, "op", kg_range(MAXP, 3, i), MAXP, snaps) for i in range(3)]
+    merged = {}
+    for r in news:
+        merged.update(dict(r.get_state("v").all_items()))
+    assert merged == model
