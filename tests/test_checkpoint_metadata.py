@@ -319,3 +319,44 @@ def test_keyed_and_operator_state_through_a_checkpoint_and_a_rescale(tmp_path, n
             units += [tuple(u) for u in ops["offsets"].get()] if "offsets" in ops else []
     assert restored == expected
     assert sorted(units) == [(0, 7), (1, 9), (2, 7), (3, 9)]
+
+
+def test_concurrent_writers_of_one_checkpoint_id_one_wins(tmp_path):
+    """Writers racing for one checkpoint id: exactly one succeeds, the file is whole, no temp files."""
+    import threading
+
+    base = str(tmp_path)
+    write_checkpoint(base, _metadata(1))
+    results = []
+
+    def attempt(tag):
+        try:
+            write_checkpoint(base, _metadata(2, tag=tag))
+            results.append(tag)
+        except FileExistsError:
+            results.append(None)
+
+    threads = [threading.Thread(target=attempt, args=(f"w{i}",)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    winners = [r for r in results if r is not None]
+    assert len(results) == 6 and len(winners) == 1
+    meta = read_checkpoint(base, 2)
+    assert meta.subtasks[0].materialized[0].files()[0].endswith(f"mat-{winners[0]}-0")
+    assert os.listdir(tmp_path / "checkpoints" / "chk-2") == ["_metadata"]
+
+
+def test_memory_filesystem_base():
+    base = "memory://dstl-test-metadata/job"
+    try:
+        write_checkpoint(base, _metadata(1))
+        write_checkpoint(base, _metadata(2))
+        assert list_checkpoints(base) == [1, 2]
+        assert latest_checkpoint(base).checkpoint_id == 2
+        assert read_checkpoint(base, 1).properties == {"source": "test", "n": 1}
+        assert fsspec.filesystem("memory").ls("/dstl-test-metadata/job/checkpoints/chk-2", detail=False) == [
+            "/dstl-test-metadata/job/checkpoints/chk-2/_metadata"]
+    finally:
+        fsspec.filesystem("memory").rm("/dstl-test-metadata", recursive=True)

@@ -298,7 +298,7 @@ def checkpoint_path(base_path: str, checkpoint_id: int) -> str:
                  METADATA_FILE)
 
 
-def _write_local(path: str, data: bytes) -> None:
+def _write_local(path: str, data: bytes, overwrite: bool) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
@@ -307,16 +307,23 @@ def _write_local(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see no file or the whole file
-    except BaseException:
+        if overwrite:
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, whole
+        else:
+            try:
+                os.link(tmp, path)  # atomic and exclusive: a concurrent writer of this id loses cleanly
+            except FileExistsError:
+                raise FileExistsError(f"checkpoint metadata {path} already exists") from None
+            except OSError:  # no hard links on this filesystem: rename after the earlier check
+                os.replace(tmp, path)
+    finally:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        raise
     fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)  # make the rename itself durable
+        os.fsync(fd)  # make the new directory entry durable
     finally:
         os.close(fd)
 
@@ -361,7 +368,7 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
         raise FileExistsError(f"checkpoint {metadata.checkpoint_id} already exists at {checkpoint_path(base_path, metadata.checkpoint_id)}")
     data = metadata.to_bytes()
     if _is_local(fs):
-        _write_local(path, data)
+        _write_local(path, data, overwrite)
     else:
         _write_remote(fs, path, data)
     return checkpoint_path(base_path, metadata.checkpoint_id)
