@@ -52,12 +52,10 @@ cdef inline int32_t _murmur(uint32_t c) noexcept nogil:
     c ^= c >> 13
     c *= 0xC2B2AE35u
     c ^= c >> 16
-    cdef int32_t s = <int32_t>c
-    if s >= 0:
-        return s
-    if c != 0x80000000u:
-        return -s
-    return 0
+    # |c| as int32, with Integer.MIN_VALUE -> 0; written without branches so loops vectorise
+    cdef uint32_t neg = 0u - (c >> 31)
+    cdef uint32_t a = (c ^ neg) - neg
+    return <int32_t>(a & ~(0u - (a >> 31)))
 
 
 cdef inline int32_t _kg(uint32_t code, int32_t max_parallelism, bint pow2) noexcept nogil:
@@ -67,10 +65,11 @@ cdef inline int32_t _kg(uint32_t code, int32_t max_parallelism, bint pow2) noexc
 
 
 cdef inline uint32_t _long_hash(int64_t v) noexcept nogil:
-    if -2147483648 <= v <= 2147483647:
-        return <uint32_t>v  # Integer.hashCode
     cdef uint64_t u = <uint64_t>v
-    return <uint32_t>(u ^ (u >> 32))  # Long.hashCode
+    cdef uint32_t lo = <uint32_t>u
+    # Integer.hashCode inside int32, else Long.hashCode (lo ^ hi)
+    cdef uint32_t hi = <uint32_t>(u >> 32) if (v < -2147483648 or v > 2147483647) else 0u
+    return lo ^ hi
 
 
 cdef inline uint32_t _str_hash(str s):
@@ -158,9 +157,14 @@ def int64_key_groups(const int64_t[::1] values, max_parallelism):
     cdef Py_ssize_t i, n = values.shape[0]
     out = np.empty(n, dtype=np.int32)
     cdef int32_t[::1] o = out
+    cdef int32_t mask = mp - 1
     with nogil:
-        for i in range(n):
-            o[i] = _kg(_long_hash(values[i]), mp, pow2)
+        if pow2:  # separate loops keep the branch out of the hot loop
+            for i in range(n):
+                o[i] = _murmur(_long_hash(values[i])) & mask
+        else:
+            for i in range(n):
+                o[i] = _murmur(_long_hash(values[i])) % mp
     return out
 
 
