@@ -28,6 +28,7 @@ import time
 import weakref
 from concurrent.futures import CancelledError, Future
 from multiprocessing.connection import Client
+from multiprocessing.reduction import ForkingPickler
 from typing import Dict, Optional, Tuple
 
 from dstl.errors import UploadServiceError
@@ -39,6 +40,7 @@ from dstl.upload.throttle import AvailabilityProvider
 log = logging.getLogger("dstl.upload.service.client")
 
 START_TIMEOUT_S = 60.0
+FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
 _LAUNCHER = (
     "import subprocess, sys\n"
     "log = open(sys.argv[1], 'ab')\n"
@@ -135,6 +137,9 @@ class ServiceConnection:
             self.availability._set_unavailable()
         self.gauges = (in_flight, 0, int(self.available))
         self._users = 2  # the scheduler and the registry proxy
+        self._free: list = []  # (name, size) of segments of finished tasks, reused LIFO
+        self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
+        self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._callbacks: "queue.Queue" = queue.Queue()
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
@@ -145,9 +150,11 @@ class ServiceConnection:
     def send(self, msg) -> None:
         if self.broken is not None:
             raise self._error()
+        buf = ForkingPickler.dumps(msg)  # what Connection.send does, but we count the bytes
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                self.conn.send_bytes(buf)
+                self.bytes_sent += len(buf)
         except (OSError, EOFError, ValueError) as exc:
             self._break(exc)
             raise self._error() from exc
@@ -178,9 +185,19 @@ class ServiceConnection:
     def submit(self, task, job_id: str, local_dir: Optional[str]) -> None:
         """Copy the bodies into a new segment and send the descriptor (caller checked state)."""
         task_id = next(self._ids)
-        name = f"{self.prefix}{task_id}"
         sets = task.change_sets
-        _total, spans = shm.create_segment(name, [cs.body for cs in sets])
+        with self._lock:
+            reused = self._free.pop() if self._free else None
+        if reused is not None:
+            name = reused[0]
+            try:
+                total, spans = shm.create_segment(name, [cs.body for cs in sets], reuse=True)
+            except FileNotFoundError:  # swept meanwhile: make a new one
+                reused = None
+        if reused is None:
+            name = f"{self.prefix}{task_id}"
+            total, spans = shm.create_segment(name, [cs.body for cs in sets])
+        self.bytes_shared += total
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]
         with self._lock:
@@ -236,7 +253,11 @@ class ServiceConnection:
     def _take(self, task_id: int):
         with self._lock:
             entry = self._pending.pop(task_id, None)
-        if entry is not None:
+            keep = entry is not None and len(self._free) < FREE_SEGMENTS and self.broken is None \
+                and not self.closing
+            if keep:
+                self._free.append((entry[1], 0))
+        if entry is not None and not keep:
             shm.unlink(entry[1])  # this client owns its segments (see shm.py)
         return entry
 
@@ -298,7 +319,10 @@ class ServiceConnection:
             self.broken = exc
             pending, self._pending = self._pending, {}
             calls = list(self._calls.values())
+            free, self._free = self._free, []
             self._lock.notify_all()
+        for name, _ in free:
+            shm.unlink(name)
         log.error("lost the upload service (pid %s): %s", self.service_pid, exc)
         err = self._error()
         for task, name in pending.values():
@@ -327,6 +351,9 @@ class ServiceConnection:
                 pass
         with self._lock:
             pending, self._pending = self._pending, {}
+            free, self._free = self._free, []
+        for name, _ in free:
+            shm.unlink(name)
         for task, name in pending.values():
             shm.unlink(name)
             self._callbacks.put((task.fail, (CancelledError("the upload scheduler was closed"),)))
