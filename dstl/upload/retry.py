@@ -155,11 +155,12 @@ class RetryingExecutor:
     # --- attempts ------------------------------------------------------------------------------
     def _submit(self, state: _ActionState, n: int) -> None:
         with self._lock:
-            if not self._closed:
-                fut = self._pool.submit(self._run_attempt, state, n)
+            fut = None if self._closed else self._pool.submit(self._run_attempt, state, n)
+            if fut is not None:
                 self._running.add(fut)
-                fut.add_done_callback(self._forget)
-                return
+        if fut is not None:
+            fut.add_done_callback(self._forget)  # may run inline: outside the lock
+            return
         self._handle_error(state, n, CancelledError("RetryingExecutor closed before attempt %d started" % n))
 
     def _forget(self, fut: Future) -> None:
