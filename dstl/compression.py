@@ -92,7 +92,7 @@ class StreamWriter:
 
     def _flush_out(self) -> None:
         if self._out:
-            self._file.write(bytes(self._out))
+            self._file.write(self._out)  # handed over, never touched again: no extra copy
             self._out = bytearray()
 
     def _emit_block(self, block) -> None:

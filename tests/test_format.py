@@ -321,3 +321,19 @@ def test_snappy_skippable_chunks_and_repeated_identifiers_are_accepted():
     good = bytes(_snappy_file(b"0123456789"))
     padded = good[:11] + b"\xfe\x02\x00\x00\x00\x00" + compression.SNAPPY_IDENTIFIER + good[11:]
     assert bytes(fmt.to_logical(padded)) == b"0123456789"
+
+
+@impl_params
+def test_decoded_changes_are_ordinary_state_changes(impl):
+    import pickle
+
+    body = fmt.encode_change_set([StateChange(-1, b"m"), StateChange(3, b"abc"), StateChange(3, b"")])
+    changes, _ = impl.decode.decode_change_set(body)
+    assert all(type(c) is StateChange for c in changes)
+    assert changes == [StateChange(-1, b"m"), StateChange(3, b"abc"), StateChange(3, b"")]
+    assert hash(changes[1]) == hash(StateChange(3, b"abc"))
+    assert pickle.loads(pickle.dumps(changes)) == changes
+    kg, data = changes[1]
+    assert (kg, data, changes[0].is_meta()) == (3, b"abc", True)
+    with pytest.raises(AttributeError):
+        changes[1].key_group = 4

@@ -1,16 +1,17 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Cython change-set decoder (FORMAT.md §4, §8). Twin: dstl/_decode_py.py (same results, same errors).
 
-`scan` walks one change set in C, bounds-checking every field before reading it; the first pass
-validates and counts, the second fills the caller's arrays, so no count read from the input is
-ever turned into an allocation before the bytes behind it have been checked.
+`scan` walks one change set in C, bounds-checking every field before reading it. Output goes into
+arrays sized by a first counting pass, or (for objects) into buffers that grow geometrically with
+the changes actually parsed, so no count read from the input is ever turned into an allocation.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint32_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy
 
 import gc
 
@@ -21,12 +22,55 @@ from dstl.errors import CorruptChangelogError
 from dstl.types import StateChange
 
 cdef extern from "Python.h":
+    ctypedef struct PyObject
+    ctypedef struct PyTypeObject
+    ctypedef struct PyMemberDef:
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    PyObject* PyType_GenericAlloc(PyTypeObject* tp, Py_ssize_t nitems)
     int PyObject_GenericSetAttr(object o, object name, object value) except -1
 
 cdef object _new = object.__new__
 cdef object _StateChange = StateChange
 cdef str _KG = "key_group"
 cdef str _DATA = "data"
+
+
+cdef Py_ssize_t _slot_offset(name):
+    """Where StateChange keeps a __slots__ member, or -1 when it is not a plain slot."""
+    descr = StateChange.__dict__.get(name)
+    if type(descr).__name__ != "member_descriptor":
+        return -1
+    return (<PyMemberDescrObject*>descr).d_member.offset
+
+
+# StateChange is immutable (its __setattr__ raises) and its __init__ re-validates; decoded values
+# are already valid, so a change is built by allocating it and filling its two slots directly.
+cdef Py_ssize_t _KG_OFFSET = _slot_offset("key_group")
+cdef Py_ssize_t _DATA_OFFSET = _slot_offset("data")
+cdef bint _DIRECT = (_KG_OFFSET > 0 and _DATA_OFFSET > 0 and type(StateChange).__name__ == "type"
+                     and StateChange.__new__ is object.__new__ and StateChange.__init__ is not object.__init__)
+
+
+cdef inline object _make_change(object kg, object data):
+    cdef PyObject* obj
+    cdef object change
+    if _DIRECT:
+        obj = PyType_GenericAlloc(<PyTypeObject*>_StateChange, 0)
+        if obj == NULL:
+            raise MemoryError()
+        change = <object>obj
+        Py_DECREF(change)  # <object> took its own reference
+        Py_INCREF(kg)
+        (<PyObject**>((<char*>obj) + _KG_OFFSET))[0] = <PyObject*>kg
+        Py_INCREF(data)
+        (<PyObject**>((<char*>obj) + _DATA_OFFSET))[0] = <PyObject*>data
+        return change
+    change = _new(_StateChange)
+    PyObject_GenericSetAttr(change, _KG, kg)
+    PyObject_GenericSetAttr(change, _DATA, data)
+    return change
 
 
 cdef enum Err:
@@ -41,6 +85,43 @@ cdef enum Err:
     TRUNC_LEN = 8
     NEG_LEN = 9
     BIG_LEN = 10
+    NO_MEMORY = 11
+
+
+cdef struct Out:
+    int32_t* kg
+    int64_t* off
+    int64_t* len
+    int64_t cap
+
+
+cdef int grow(Out* o) noexcept nogil:
+    cdef int64_t cap = o.cap * 2 if o.cap else 4096
+    cdef void* p
+    p = realloc(o.kg, cap * sizeof(int32_t))
+    if p == NULL:
+        return -1
+    o.kg = <int32_t*>p
+    p = realloc(o.off, cap * sizeof(int64_t))
+    if p == NULL:
+        return -1
+    o.off = <int64_t*>p
+    p = realloc(o.len, cap * sizeof(int64_t))
+    if p == NULL:
+        return -1
+    o.len = <int64_t*>p
+    o.cap = cap
+    return 0
+
+
+cdef void release(Out* o) noexcept nogil:
+    free(o.kg)
+    free(o.off)
+    free(o.len)
+    o.kg = NULL
+    o.off = NULL
+    o.len = NULL
+    o.cap = 0
 
 
 cdef struct Scan:
@@ -68,8 +149,8 @@ cdef inline int fail(Scan* r, int code, int64_t pos, int64_t val, int64_t rem) n
 
 
 cdef int scan(const unsigned char* buf, int64_t end, int64_t pos, int lo, int hi, Scan* r,
-              int32_t* okg, int64_t* ooff, int64_t* olen, int32_t* ogroups) noexcept nogil:
-    """Walk the change set at `pos`; fills the output arrays (when not NULL) with kept changes."""
+              Out* out, int32_t* ogroups) noexcept nogil:
+    """Walk the change set at `pos`; appends kept changes to `out` (when not NULL)."""
     cdef int64_t groups, g, count, j, p, n, k = 0
     cdef int32_t kg
     cdef bint keep
@@ -109,10 +190,12 @@ cdef int scan(const unsigned char* buf, int64_t end, int64_t pos, int lo, int hi
             if n > end - p - 4:
                 return fail(r, BIG_LEN, p, n, end - p - 4)
             if keep:
-                if okg != NULL:
-                    okg[k] = kg
-                    ooff[k] = p + 4
-                    olen[k] = n
+                if out != NULL:
+                    if k == out.cap and grow(out) != 0:
+                        return fail(r, NO_MEMORY, p, 0, 0)
+                    out.kg[k] = kg
+                    out.off[k] = p + 4
+                    out.len[k] = n
                 k += 1
             p += 4 + n
             r.size += n
@@ -143,6 +226,8 @@ cdef raise_error(Scan* r):
         reason = f"truncated: change length needs 4 bytes, {rem} remain"
     elif code == NEG_LEN:
         reason = f"negative change length {v}"
+    elif code == NO_MEMORY:
+        raise MemoryError("out of memory while decoding a change set")
     else:
         reason = f"change length {v} runs past the end ({rem} bytes remain)"
     raise CorruptChangelogError(reason, r.err_pos)
@@ -184,8 +269,11 @@ def decode_change_set_arrays(logical, offset=0, key_group_range=None):
     cdef int lo, hi
     lo, hi = _bounds(key_group_range)
     cdef Scan r
+    cdef Out out
+    # two passes (count, then fill the numpy arrays in place) beat one pass into growing buffers:
+    # the counting pass only reads, and the result is written exactly once
     with nogil:
-        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL, NULL, NULL)
+        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL)
     if r.err:
         raise_error(&r)
     kgs = np.empty(r.kept, dtype=np.int32)
@@ -195,8 +283,12 @@ def decode_change_set_arrays(logical, offset=0, key_group_range=None):
     cdef int64_t[::1] o = offs
     cdef int64_t[::1] n = lens
     if r.kept:
+        out.kg = &k[0]
+        out.off = &o[0]
+        out.len = &n[0]
+        out.cap = r.kept  # exact: the second pass never grows (or frees) these numpy buffers
         with nogil:
-            scan(b.buf, b.length, pos, lo, hi, &r, &k[0], &o[0], &n[0], NULL)
+            scan(b.buf, b.length, pos, lo, hi, &r, &out, NULL)
     return kgs, offs, lens, r.end
 
 
@@ -207,48 +299,36 @@ def decode_change_set(logical, offset=0, key_group_range=None):
     cdef int lo, hi
     lo, hi = _bounds(key_group_range)
     cdef Scan r
+    cdef Out out
     cdef int64_t i, kept
-    cdef int32_t* kg_arr = NULL
-    cdef int64_t* off_arr = NULL
-    cdef int64_t* len_arr = NULL
     cdef bint gc_was_enabled = False
-    with nogil:
-        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL, NULL, NULL)
-    if r.err:
-        raise_error(&r)
-    kept = r.kept
-    out = PyList_New(kept)
-    if kept == 0:
-        return out, r.end
-    kg_arr = <int32_t*>malloc(kept * sizeof(int32_t))
-    off_arr = <int64_t*>malloc(kept * sizeof(int64_t))
-    len_arr = <int64_t*>malloc(kept * sizeof(int64_t))
+    out.kg = NULL
+    out.off = NULL
+    out.len = NULL
+    out.cap = 0
     try:
-        if kg_arr == NULL or off_arr == NULL or len_arr == NULL:
-            raise MemoryError()
         with nogil:
-            scan(b.buf, b.length, pos, lo, hi, &r, kg_arr, off_arr, len_arr, NULL)
+            scan(b.buf, b.length, pos, lo, hi, &r, &out, NULL)
+        if r.err:
+            raise_error(&r)
+        kept = r.kept
+        result = PyList_New(kept)
         # the cyclic GC would otherwise rescan the growing list every few hundred objects
         gc_was_enabled = gc.isenabled()
         gc.disable()
         kg_objs = {}  # one int object per key group
         for i in range(kept):
-            change = _new(_StateChange)
-            kg = kg_objs.get(kg_arr[i])
+            kg = kg_objs.get(out.kg[i])
             if kg is None:
-                kg = kg_objs[kg_arr[i]] = kg_arr[i]
-            PyObject_GenericSetAttr(change, _KG, kg)
-            PyObject_GenericSetAttr(change, _DATA,
-                                    PyBytes_FromStringAndSize(<const char*>(b.buf + off_arr[i]), len_arr[i]))
+                kg = kg_objs[out.kg[i]] = out.kg[i]
+            change = _make_change(kg, PyBytes_FromStringAndSize(<const char*>(b.buf + out.off[i]), out.len[i]))
             Py_INCREF(change)
-            PyList_SET_ITEM(out, i, change)
+            PyList_SET_ITEM(result, i, change)
     finally:
         if gc_was_enabled:
             gc.enable()
-        free(kg_arr)
-        free(off_arr)
-        free(len_arr)
-    return out, r.end
+        release(&out)
+    return result, r.end
 
 
 def walk(logical):
@@ -261,7 +341,7 @@ def walk(logical):
     infos = []
     while pos < b.length:
         with nogil:
-            scan(b.buf, b.length, pos, 0, -1, &r, NULL, NULL, NULL, NULL)
+            scan(b.buf, b.length, pos, 0, -1, &r, NULL, NULL)
         if r.err:
             raise_error(&r)
         groups = <int32_t*>malloc((r.groups + 1) * sizeof(int32_t))
@@ -269,10 +349,13 @@ def walk(logical):
             raise MemoryError()
         try:
             with nogil:
-                scan(b.buf, b.length, pos, 0, -1, &r, NULL, NULL, NULL, groups)
+                scan(b.buf, b.length, pos, 0, -1, &r, NULL, groups)
             order = tuple([groups[g] for g in range(r.groups)])
         finally:
             free(groups)
         infos.append(ChangeSetInfo(pos, r.end - pos, r.groups, r.changes, r.size, order))
         pos = r.end
     return infos
+
+
+DIRECT_SLOTS = _DIRECT  # for tests: whether changes are built by filling their slots directly
