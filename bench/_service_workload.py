@@ -25,12 +25,17 @@ import json, os, sys, time
 import numpy as np
 from dstl.storage import open_storage
 from dstl.types import KeyGroupRange
-base, mode, job, n, every, size, out, go, compression = sys.argv[1:10]
+base, mode, job, n, every, size, out, go, compression, payload = sys.argv[1:11]
 n, every, size = int(n), int(every), int(size)
 s = open_storage(base, upload_mode=mode, job_id=job, compression_enabled=compression == "1")
 w = s.create_writer(f"op{os.getpid()}", KeyGroupRange(0, 127))
 kgs = (np.arange(every, dtype=np.int32) % 128).astype(np.int32)
-data = np.random.default_rng(os.getpid()).integers(0, 256, every * size, dtype=np.uint8).tobytes()
+if payload == "random":  # incompressible
+    data = np.random.default_rng(os.getpid()).integers(0, 256, every * size, dtype=np.uint8).tobytes()
+else:  # event records, compressible like real state changes
+    rng = np.random.default_rng(os.getpid())
+    data = b"".join((b'{"user":%08d,"event":"click","page":"/p/%04d","ts":%013d}' % (
+        rng.integers(1e8), rng.integers(1e4), 1700000000000 + i)).ljust(size, b" ")[:size] for i in range(every))
 offsets = np.arange(every + 1, dtype=np.int64) * size
 service = getattr(s.scheduler, "service_pid", None)
 if service is not None:
@@ -88,7 +93,7 @@ def _children(pid: int):
 
 
 def run_mode(mode: str, writers: int = 4, changes: int = 1_000_000, every: int = 50_000, size: int = 100,
-             compression: bool = False) -> dict:
+             compression: bool = False, payload: str = "random") -> dict:
     work = tempfile.mkdtemp(prefix="dqb", dir="/tmp")
     runtime = os.path.join(work, "rt")
     os.makedirs(runtime)
@@ -98,7 +103,7 @@ def run_mode(mode: str, writers: int = 4, changes: int = 1_000_000, every: int =
     go = os.path.join(work, "go")
     outs = [os.path.join(work, f"out{i}.json") for i in range(writers)]
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, base, mode, job, str(changes), str(every), str(size),
-                               o, go, "1" if compression else "0"], env=env) for o in outs]
+                               o, go, "1" if compression else "0", payload], env=env) for o in outs]
     service_pids = set()
     try:
         deadline = time.monotonic() + 120
@@ -116,7 +121,7 @@ def run_mode(mode: str, writers: int = 4, changes: int = 1_000_000, every: int =
         wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
         mb = writers * changes * size / 1e6
         files = len(os.listdir(os.path.join(base, job, "dstl")))
-        out = {"mode": mode, "compression": compression, "mb": mb, "wall_s": wall, "mb_per_s": mb / wall,
+        out = {"mode": mode, "compression": compression, "payload": payload, "mb": mb, "wall_s": wall, "mb_per_s": mb / wall,
                "files": files, "persists": sum(r["persists"] for r in res),
                "writer_cpu_s": sum(r["cpu"] for r in res)}
         out["writer_cpu_s_per_mb"] = out["writer_cpu_s"] / mb

@@ -234,3 +234,29 @@ def test_client_killed_with_sigkill_has_its_memory_and_unconfirmed_files_reclaim
             proc.kill()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_a_stopped_service_fails_pending_uploads_instead_of_hanging(runtime, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSTL_SERVICE_LIVENESS_MS", "500")
+    base = tmp_path / "base"
+    base.mkdir()
+    s = _storage(gate_url(base), upload_timeout="500 ms")
+    pid = runtime.remember(s.scheduler.service_pid)
+    w = s.create_writer("op", KGR)
+    w.append(1, b"x")
+    (base / ".gate").touch()
+    f = w.persist(0, 1)
+    _wait(lambda: held_pids(base), what="the upload to hang")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(OSError) as info:
+            f.result(15)
+        assert time.monotonic() - t < 10
+        err = info.value if isinstance(info.value, UploadServiceError) else info.value.__cause__
+        assert isinstance(err, UploadServiceError) and "no answer" in str(err)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        os.unlink(base / ".gate")
+    w.close()
+    s.close()

@@ -40,6 +40,7 @@ from dstl.upload.throttle import AvailabilityProvider
 log = logging.getLogger("dstl.upload.service.client")
 
 START_TIMEOUT_S = 60.0
+LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
 FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
 _LAUNCHER = (
     "import subprocess, sys\n"
@@ -144,6 +145,10 @@ class ServiceConnection:
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
         self._reader.start()
+        self.last_heard = time.monotonic()
+        liveness = float(os.environ.get("DSTL_SERVICE_LIVENESS_MS", LIVENESS_S * 1000)) / 1000.0
+        self.liveness_s = max(liveness, config.upload_timeout_ms / 1000.0)
+        threading.Thread(target=self._watchdog, name="dstl-service-watchdog", daemon=True).start()
         _open_connections.add(self)
 
     # ---- sending ---------------------------------------------------------------------------
@@ -212,6 +217,7 @@ class ServiceConnection:
         while True:
             try:
                 msg = self.conn.recv()
+                self.last_heard = time.monotonic()
             except (EOFError, OSError) as exc:
                 if not (self.closing and self._closed_event.is_set()):
                     self._break(exc if str(exc) else EOFError("connection closed"))
@@ -236,6 +242,23 @@ class ServiceConnection:
                         fut.set_exception(msg[3])
             elif kind == "closed":
                 self._closed_event.set()
+
+    def _watchdog(self) -> None:
+        """A service that stops answering (stopped, hung) must not hang the writers: while uploads are
+        pending and nothing was heard for `liveness_s`, ping it; no answer within `liveness_s` breaks the
+        connection, which fails every pending upload with UploadServiceError."""
+        while self.broken is None and not self._closed_event.is_set():
+            time.sleep(min(1.0, self.liveness_s / 4))
+            with self._lock:
+                busy = bool(self._pending)
+            if not busy or time.monotonic() - self.last_heard < self.liveness_s:
+                continue
+            try:
+                self.call("ping", 0, timeout=self.liveness_s)
+            except Exception as exc:
+                if self.broken is None and not self._closed_event.is_set():
+                    self._break(TimeoutError(f"no answer for {2 * self.liveness_s:.0f} s ({exc!r})"))
+                return
 
     def _on_avail(self, available: bool, gauges) -> None:
         pending = None
