@@ -97,7 +97,9 @@ def spark():
     from pyspark.sql import SparkSession
 
     session = (
-        SparkSession.builder.master("local[2]")
+        # local[N,F]: in local mode only the master string allows task retries (spark.task.maxFailures
+        # is ignored there); the pipeline's --fail-at test needs Spark to retry a crashed task
+        SparkSession.builder.master("local[2,4]")
         .appName("dstl-tests")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dstl.spark.coordinator import CheckpointCoordinator, CheckpointStats
-from dstl.spark.keyed import TaskReport, stateful_map_in_pandas
+from dstl.spark.keyed import TaskReport, stateful_map_in_pandas, stateful_map_in_pandas_local
 
 
 @dataclass
@@ -30,21 +30,32 @@ class BatchResult:
         return sum(1 for r in self.reports if not r.restored)
 
 
+def _is_pandas(df) -> bool:
+    return type(df).__module__.startswith("pandas")
+
+
 class StatefulJob:
     """A keyed stateful operator over micro-batches with exactly-once output.
 
     >>> job = StatefulJob(coordinator, fn, "user_id long, n long", key="user_id", parallelism=2)
     >>> job.run_batch(events_df)          # one checkpoint; output committed when it returns
+
+    `run_batch` takes a Spark DataFrame (keyed with a pandas UDF and shuffled by Spark) or a pandas
+    DataFrame held by the driver (routed on the driver, each subtask pinned to its own Python worker,
+    which keeps the worker cache warm; needs `spark=`).
     """
 
     def __init__(self, coordinator: CheckpointCoordinator, fn: Callable, schema: Any, *, key: str,
-                 parallelism: int, order_by: Optional[Sequence[str]] = None):
+                 parallelism: int, order_by: Optional[Sequence[str]] = None, spark=None,
+                 events_schema: Any = None):
         self.coordinator = coordinator
         self.fn = fn
         self.schema = schema
         self.key = key
         self.parallelism = parallelism
         self.order_by = list(order_by) if order_by else None
+        self.spark = spark
+        self.events_schema = events_schema
 
     def run_batch(self, df, *, fail_subtask: Optional[int] = None, fail_marker: Optional[str] = None,
                   properties: Optional[Dict[str, Any]] = None,
@@ -53,9 +64,17 @@ class StatefulJob:
         batch = coord.next_batch
         plan = coord.plan(batch, self.parallelism, fail_subtask=fail_subtask, fail_marker=fail_marker)
         t0 = time.perf_counter()
-        reports_df = stateful_map_in_pandas(
-            df, self.fn, self.schema, key=self.key, parallelism=self.parallelism,
-            max_parallelism=plan.max_parallelism, checkpoint=plan, order_by=self.order_by)
+        if _is_pandas(df):  # driver-held batch: routed on the driver, subtasks pinned to workers
+            if self.spark is None:
+                raise ValueError("a pandas micro-batch needs StatefulJob(spark=...)")
+            reports_df = stateful_map_in_pandas_local(
+                self.spark, df, self.fn, self.schema, key=self.key, parallelism=self.parallelism,
+                max_parallelism=plan.max_parallelism, checkpoint=plan, order_by=self.order_by,
+                events_schema=self.events_schema)
+        else:
+            reports_df = stateful_map_in_pandas(
+                df, self.fn, self.schema, key=self.key, parallelism=self.parallelism,
+                max_parallelism=plan.max_parallelism, checkpoint=plan, order_by=self.order_by)
         # collected exactly once: a second evaluation would run the tasks again
         reports = [TaskReport.from_row(r) for r in reports_df.collect()]
         stats = coord.complete(plan, reports, properties=properties, after_metadata=after_metadata)

@@ -75,6 +75,12 @@ def partition_salts(parallelism: int) -> List[int]:
 
 # ------------------------------------------------------------------ workers must import dstl
 
+#: environment variables the Python workers get from the driver
+FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "FSSPEC_")
+#: forwarded only with a local master (same machine); on a cluster executors bring their own
+#: credentials (instance roles, spark.executorEnv.*), they are not shipped inside tasks
+LOCAL_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
 def ensure_importable_on_workers(spark) -> None:
     """Let Python workers import the same dstl as the driver.
 
@@ -90,6 +96,11 @@ def ensure_importable_on_workers(spark) -> None:
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:
         env["PYTHONPATH"] = os.pathsep.join(parts + [root])
+    # the driver's object-store settings and dstl switches, also when they were set after the JVM started
+    local = spark.sparkContext.master.startswith("local")
+    for k, v in os.environ.items():
+        if (k.startswith(FORWARDED_ENV_PREFIXES) or (local and k in LOCAL_ONLY_ENV)) and env.get(k) != v:
+            env[k] = v
 
 
 # ------------------------------------------------------------------ columns
@@ -347,19 +358,19 @@ def _maybe_fail(plan: CheckpointPlan, fn: Callable, rows, backend) -> None:
 
 
 def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequence[str],
-               order_by: Optional[Sequence[str]]):
+               order_by: Optional[Sequence[str]], fixed_subtask: Optional[int] = None):
     def task(batches):  # pragma: no cover - runs in the Python worker (covered by the Spark tests)
         import pandas as pd
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        subtask = ctx.partitionId()
+        subtask = ctx.partitionId() if fixed_subtask is None else fixed_subtask
         frames = [b for b in batches if len(b)]
         rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(columns))
-        if len(rows):
+        if len(rows) and SUBTASK_COL in rows.columns:
             wrong = rows[SUBTASK_COL].to_numpy() != subtask
             if wrong.any():
-                raise RuntimeError(f"Spark task for partition {subtask} received rows of subtask "
+                raise RuntimeError(f"Spark task for subtask {subtask} received rows of subtask "
                                    f"{int(rows[SUBTASK_COL].to_numpy()[wrong][0])}: routing broken")
         rows = rows.drop(columns=[c for c in INTERNAL_COLS if c in rows.columns])
         if order_by and len(rows) > 1:
@@ -368,6 +379,68 @@ def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequen
         yield pd.DataFrame([report])
 
     return task
+
+
+def _arrow_output_schema(schema):
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, str):
+        schema = StructType.fromDDL(schema)
+    return to_arrow_schema(schema)
+
+
+#: environment variable that gives each logical subtask its own pool of Python workers
+SLOT_ENV = "DSTL_SUBTASK_SLOT"
+
+
+def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, parallelism: int,
+                                 max_parallelism: int, checkpoint: CheckpointPlan,
+                                 order_by: Optional[Sequence[str]] = None, events_schema: Any = None):
+    """Same as `stateful_map_in_pandas` for a micro-batch held by the driver as a pandas DataFrame.
+
+    The driver routes the rows itself (vectorised key groups) and builds one single-partition
+    branch per subtask. Each branch's `mapInPandas` carries its own `DSTL_SUBTASK_SLOT` environment
+    value, and Spark keeps a separate pool of reused Python workers per distinct environment, so
+    subtask i always runs in the same Python worker of an executor: its state continues from memory
+    batch after batch instead of being restored (which happens only after a failure or a rescale).
+    """
+    import numpy as np
+
+    from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+
+    if checkpoint.parallelism != parallelism or checkpoint.max_parallelism != max_parallelism:
+        raise ValueError(f"checkpoint plan is for parallelism {checkpoint.parallelism}/{checkpoint.max_parallelism}, "
+                         f"called with {parallelism}/{max_parallelism}")
+    if key not in pdf.columns:
+        raise ValueError(f"key column {key!r} not in the batch (columns: {', '.join(pdf.columns)})")
+    ensure_importable_on_workers(spark)
+    arrow_schema = _arrow_output_schema(schema)
+    if order_by:
+        pdf = pdf.sort_values(list(order_by), kind="stable", ignore_index=True)
+    subtasks = operator_indices_for_key_groups(assign_key_groups(pdf[key], max_parallelism),
+                                               max_parallelism, parallelism)
+    order = np.argsort(subtasks, kind="stable")
+    bounds = np.searchsorted(subtasks[order], np.arange(parallelism + 1))
+    env = spark.sparkContext.environment
+    saved = env.get(SLOT_ENV)
+    branches = []
+    try:
+        for i in range(parallelism):
+            part = pdf.iloc[order[bounds[i]:bounds[i + 1]]]
+            df = spark.createDataFrame(part, schema=events_schema).coalesce(1)
+            env[SLOT_ENV] = str(i)  # captured when the UDF is created, just below
+            task = _make_task(checkpoint, fn, arrow_schema, list(pdf.columns), None, fixed_subtask=i)
+            branches.append(df.mapInPandas(task, REPORT_SCHEMA))
+    finally:
+        if saved is None:
+            env.pop(SLOT_ENV, None)
+        else:
+            env[SLOT_ENV] = saved
+    out = branches[0]
+    for b in branches[1:]:
+        out = out.union(b)
+    return out
 
 
 def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: int, max_parallelism: int,
@@ -382,8 +455,6 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: i
     `storage_config` overrides `checkpoint.storage_options` when given (mapping or StorageConfig).
     """
     from pyspark.sql import functions as F
-    from pyspark.sql.pandas.types import to_arrow_schema
-    from pyspark.sql.types import StructType
 
     if checkpoint.parallelism != parallelism or checkpoint.max_parallelism != max_parallelism:
         raise ValueError(f"checkpoint plan is for parallelism {checkpoint.parallelism}/{checkpoint.max_parallelism}, "
@@ -393,9 +464,7 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: i
 
         opts = StorageConfig.of(storage_config).to_mapping()
         checkpoint = _replace(checkpoint, storage_options=opts)
-    if isinstance(schema, str):
-        schema = StructType.fromDDL(schema)
-    arrow_schema = to_arrow_schema(schema)
+    arrow_schema = _arrow_output_schema(schema)
     for c in order_by or ():
         if c not in df.columns:
             raise ValueError(f"order_by column {c!r} not in the DataFrame")

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--materialize-every", type=int, default=200_000, metavar="CHANGES",
                      help="materialize a subtask's state after this many changes (default 200000; 0 = never)")
     job.add_argument("--retain", type=int, default=2, help="completed checkpoints kept (default 2)")
+    job.add_argument("--routing", choices=("driver", "spark"), default="driver",
+                     help="'driver': the driver routes each batch and pins every subtask to its own Python "
+                          "worker (default); 'spark': a key-group UDF and a Spark shuffle route the rows")
     job.add_argument("--state", choices=("dstl", "memory"), default="dstl",
                      help="'memory' runs the same operator without durability (benchmark baseline)")
     chk = p.add_argument_group("failures and checks")
@@ -57,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     chk.add_argument("--kill-at", type=int, metavar="BATCH",
                      help="the driver is SIGKILLed once BATCH's checkpoint is written, before its output "
                           "is committed (resume with --resume)")
+    chk.add_argument("--stop-at", type=int, metavar="BATCH",
+                     help="stop cleanly once BATCH is committed (continue later with --resume)")
     chk.add_argument("--verify", action="store_true",
                      help="compare the final state and all output with a pandas computation; exit 1 on a difference")
     out = p.add_argument_group("reporting")
@@ -148,7 +153,7 @@ def check_options(args: argparse.Namespace) -> Options:
         _fail(f"--parallelism ({args.parallelism}) must not exceed --max-parallelism ({args.max_parallelism})")
     if args.materialize_every < 0:
         _fail(f"--materialize-every must be >= 0, got {args.materialize_every}")
-    for name in ("fail_at", "kill_at"):
+    for name in ("fail_at", "kill_at", "stop_at"):
         v = getattr(args, name)
         if v is not None and not 0 <= v < args.batches:
             _fail(f"--{name.replace('_', '-')} must be a batch in 0..{args.batches - 1}, got {v}")
@@ -262,6 +267,8 @@ class Report:
     max_parallelism: int = 0
     job_id: str = ""
     state: str = "dstl"
+    warm_events: int = 0
+    warm_seconds: float = 0.0
 
     @property
     def events_per_s(self) -> float:
@@ -269,7 +276,8 @@ class Report:
 
     def as_dict(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
-        d.update(events_per_s=self.events_per_s, checkpoint_p50_ms=_pct(self.checkpoint_ms, 0.5),
+        d.update(events_per_s=self.events_per_s,
+                 warm_events_per_s=self.warm_events / self.warm_seconds if self.warm_seconds else 0.0, checkpoint_p50_ms=_pct(self.checkpoint_ms, 0.5),
                  checkpoint_p99_ms=_pct(self.checkpoint_ms, 0.99))
         return d
 
@@ -278,7 +286,9 @@ class Report:
         lines = [f"dstl pipeline report (job {self.job_id}, state {self.state}, parallelism {self.parallelism}, "
                  f"max parallelism {self.max_parallelism})",
                  f"  batches          {self.batches} run (from batch {self.first_batch}), {self.events:,} events",
-                 f"  throughput       {self.events_per_s:,.0f} events/s ({self.seconds:.2f} s in batches)"]
+                 f"  throughput       {self.events_per_s:,.0f} events/s ({self.seconds:.2f} s in batches)"
+                 + (f"; {self.warm_events / self.warm_seconds:,.0f} events/s after the first batch"
+                    if self.warm_seconds else "")]
         if self.state == "dstl":
             lines += [
                 f"  checkpoint       p50 {_pct(self.checkpoint_ms, .5):.0f} ms, p99 {_pct(self.checkpoint_ms, .99):.0f} ms"
@@ -286,7 +296,7 @@ class Report:
                 f"  uploaded         {self.uploaded_files} files, {self.uploaded_bytes / mib:.2f} MiB; "
                 f"{self.deleted_files} unreferenced files deleted",
                 f"  retained         {self.retained_files} changelog files, {self.retained_bytes / mib:.2f} MiB",
-                f"  state size       {self.state_size / mib:.2f} MiB (latest checkpoint)"
+                f"  state size       {self.state_size / mib:.2f} MiB (files of the latest checkpoint)"
                 + (f", {self.users:,} users" if self.users is not None else ""),
                 f"  worker cache     {self.cache_hits}/{self.subtask_batches} subtask-batches continued from memory",
                 "  restore          " + (f"{len(self.restores)} task restores, max {max(self.restores):.0f} ms"
@@ -334,12 +344,13 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
     item_t = source.spark_type("item_id") if hasattr(source, "spark_type") else "long"
     events_schema = EVENTS_DDL.format(user=user_t, item=item_t)
     job = StatefulJob(coord, user_activity, output_ddl(user_t, item_t), key="user_id",
-                      parallelism=args.parallelism, order_by=["ts", "event_id"])
+                      parallelism=args.parallelism, order_by=["ts", "event_id"], spark=session,
+                      events_schema=events_schema)
     progress = Progress(source.batches, coord.next_batch, stream, not args.quiet)
     restored_from = coord.latest.checkpoint_id if coord.latest is not None else None
     for b in range(coord.next_batch, source.batches):
         pdf = source.batch(b)
-        df = session.createDataFrame(pdf, schema=events_schema)
+        df = pdf if args.routing == "driver" else session.createDataFrame(pdf, schema=events_schema)
         fail = {}
         if args.fail_at == b:
             fail = {"fail_subtask": 0, "fail_marker": f"{coord.base_path}/_dstl_failures/batch-{b:06d}"}
@@ -370,9 +381,14 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
                     retried = [r.restore_ms for r in res.reports if r.restored and r.attempt > 0]
                     report.fail_restore_ms = max(retried) if retried else None
         restored_from = res.checkpoint_id
+        if b > report.first_batch:
+            report.warm_events += res.rows_in
+            report.warm_seconds += res.seconds
         progress.update(b + 1, f"batch {b}: {res.rows_in:,} events, {res.rows_in / res.seconds:,.0f} ev/s, "
                                f"checkpoint {res.checkpoint_ms:.0f} ms"
                                + (f", {res.restored} restored" if res.restored and b != report.first_batch else ""))
+        if args.stop_at == b:
+            break
     if args.state == "dstl":
         report.deleted_files += coord.finish()
         files = coord.changelog_files()
@@ -380,19 +396,13 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
         report.retained_files = sum(1 for n in files if n in keep)
         report.retained_bytes = sum(s for n, s in files.items() if n in keep)
         report.garbage_files = sum(1 for n in files if n not in keep)
-        if coord.latest is not None and not report.state_size:
-            report.state_size = _checkpoint_state_size(coord.latest)
+        if coord.latest is not None:
+            # what a restore of the latest checkpoint reads (intersected handles report no size)
+            latest = {n.rstrip("/").rsplit("/", 1)[-1] for n in coord.latest.files()}
+            report.state_size = sum(s for n, s in files.items() if n in latest)
     if args.verify:
         report.verify = verify(coord, source, report)
     return report
-
-
-def _checkpoint_state_size(meta) -> int:
-    size = 0
-    for st in meta.subtasks:
-        for h in list(st.materialized) + list(st.changelog):
-            size += int(getattr(h, "state_size", 0) or 0)
-    return size
 
 
 def read_checkpoint_state(coord, meta) -> Dict[Any, Dict[str, Any]]:
