@@ -26,6 +26,7 @@ _EXPORTS: Dict[str, str] = {
     "FsStateChangelogStorage": "dstl.storage", "open_storage": "dstl.storage",
     "FsStateChangelogWriter": "dstl.writer",
     "StateChangelogReader": "dstl.reader",
+    "DownloadCache": "dstl.reader", "ChangelogStorageMetricGroup": "dstl.metrics",
     "TaskChangelogRegistry": "dstl.registry", "LocalChangelogRegistry": "dstl.registry",
     # upload machinery
     "StateChangeUploadScheduler": "dstl.upload.scheduler",
