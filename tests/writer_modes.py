@@ -44,6 +44,10 @@ def make_storage(tmp_path, upload_mode):
     yield make
     for s in made:
         s.close()
+    if upload_mode == "process":  # stop the services these storages started, by PID (helper Q)
+        from service_util import stop_services
+
+        stop_services(made)
 
 
 def files_of(storage) -> List[str]:
