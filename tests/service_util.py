@@ -178,3 +178,26 @@ def python_child(code: str, *args: str, env=None):
     e["PYTHONPATH"] = os.pathsep.join([root, HERE] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
     return subprocess.Popen([sys.executable, "-c", code, *args], env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def stop_services(storages) -> None:
+    """Stop, by PID, the services that process-mode `storages` used (after they were closed), with
+    their children, and remove their runtime directories (test clean-up)."""
+    import shutil
+
+    for s in storages:
+        conn = getattr(getattr(s, "scheduler", None), "connection", None)
+        if conn is None:
+            continue
+        pid = conn.service_pid
+        family = [pid] + children_of(pid)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        for p in wait_dead(family, 15):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(conn.paths.directory, ignore_errors=True)
