@@ -283,3 +283,47 @@ def test_facade_uses_the_expected_implementation():
 
     assert fmt.IMPLEMENTATION == expected_implementation()
     assert fmt.ChangeBuffer is (CYTHON.ChangeBuffer if expected_implementation() == "cython" else PYTHON.ChangeBuffer)
+
+
+@pytest.mark.skipif(CYTHON is None, reason="Cython extension not built (pure-Python run)")
+def test_cython_buffer_detects_use_while_it_runs_without_the_gil():
+    """seal/append_many release the GIL; a concurrent append must fail loudly, never corrupt or lose."""
+    import threading
+
+    buf = CYTHON.ChangeBuffer()
+    payload = bytes(range(256)) * 4
+    kgs = np.arange(20000, dtype=np.int32) % 64
+    offsets = np.arange(20001, dtype=np.int64) * 1000
+    data = payload * 20000
+    bodies, accepted_bg, accepted_main, refused = [], [0], [0], [0]  # one counter per thread
+    stop = threading.Event()
+
+    def sealer():
+        while not stop.is_set():
+            try:
+                buf.append_many(kgs, bytearray(data[:20_000_000]), offsets)
+                accepted_bg[0] += len(kgs)
+                bodies.append(buf.seal())
+            except RuntimeError:
+                pass
+
+    t = threading.Thread(target=sealer)
+    t.start()
+    try:
+        for _ in range(3000):
+            try:
+                buf.append(3, b"x")
+                accepted_main[0] += 1
+            except RuntimeError as exc:
+                assert "in use by another thread" in str(exc)
+                refused[0] += 1
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    bodies.append(buf.seal())
+    total = 0
+    for body in bodies:
+        kg_arr, _, lens, end = fmt.decode_change_set_arrays(body)
+        assert end == len(body)
+        total += len(kg_arr)
+    assert total == accepted_bg[0] + accepted_main[0]  # every accepted change is in exactly one body

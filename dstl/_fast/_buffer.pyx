@@ -181,7 +181,7 @@ cdef class ChangeBuffer:
 
     cdef int _check_idle(self) except -1:
         if self.busy:
-            raise RuntimeError("ChangeBuffer is being sealed by another thread")
+            raise RuntimeError("ChangeBuffer is in use by another thread (seal or append_many in progress)")
         return 0
 
     def append(self, key_group, data):
@@ -262,6 +262,7 @@ cdef class ChangeBuffer:
                 self._new_run(NULL)
                 shift = self.arena_len - first
             base = self.arena_len
+            self.busy = True  # the GIL is released below: other threads must not touch the arrays
             with nogil:
                 if nbytes:
                     memcpy(self.arena + base, (<const unsigned char*>view.buf) + first, nbytes)
@@ -275,6 +276,7 @@ cdef class ChangeBuffer:
             self.arena_len += nbytes
             self.payload += o[m] - first
         finally:
+            self.busy = False
             PyBuffer_Release(&view)
 
     def __len__(self):
