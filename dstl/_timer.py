@@ -82,6 +82,10 @@ class TimerThread:
             except BaseException:  # a failing callback must not kill the timer thread
                 log.exception("timer callback failed")
 
+    def is_timer_thread(self) -> bool:
+        """True when called from a callback running on this timer's thread."""
+        return self._thread is not None and self._thread is threading.current_thread()
+
     def cancel_pending(self, predicate: Callable[[TimerHandle], bool]) -> int:
         """Cancel pending timers matching `predicate`, running their `on_cancel` here; returns how many."""
         with self._cond:  # under the lock, so a timer cannot both run and be cancelled

@@ -174,23 +174,32 @@ class DownloadCache:
         return _Source(path, mapped, mapped, on_close=lambda: self._release(path, entry))
 
     def _download(self, handle: StreamStateHandle, entry: _Entry) -> None:
+        tmp = None
         try:
             fs, p = handle.filesystem()
             data = fs.cat_file(p)
             logical = _format().to_logical(data, handle.path)
-            fd, tmp = tempfile.mkstemp(prefix=uuid.uuid4().hex, suffix=".logical", dir=self.directory)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(logical)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-            entry.file = tmp
-            entry.size = len(memoryview(logical))
+            del data
             with self._lock:
+                self._check_open()
+            fd, tmp = tempfile.mkstemp(prefix=uuid.uuid4().hex, suffix=".logical", dir=self.directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(logical)
+            with self._lock:
+                # close() ran during the download: it could not see this file, so drop it here
+                self._check_open()
+                entry.file, tmp = tmp, None
+                entry.size = len(memoryview(logical))
                 self.downloads += 1
         except BaseException as exc:
+            if self._closed and not isinstance(exc, RuntimeError):
+                exc = RuntimeError("the download cache is closed")
             entry.error = exc
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             with self._lock:  # a later open retries the download
                 if self._entries.get(handle.path) is entry:
                     del self._entries[handle.path]

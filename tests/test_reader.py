@@ -392,3 +392,26 @@ def test_cache_validates_timeout():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError):
             DownloadCache(bad)
+
+
+def test_cache_closed_during_a_download(flink_fixtures, tmp_path, faulty):
+    handle, d = _remote_copy(flink_fixtures, tmp_path)
+    FAULTS.hang_reads(10)  # the download blocks until released
+    cache = DownloadCache(60_000)
+    errors = []
+
+    def read():
+        try:
+            StateChangelogReader(cache).read_all(handle)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert _wait_until(lambda: FAULTS.read_opens == 1)
+    cache.close()
+    FAULTS.release_hangs()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0])
+    assert not os.path.exists(cache.directory)

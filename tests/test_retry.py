@@ -399,3 +399,40 @@ def test_many_actions_each_settle_exactly_once(hists):
 def test_invalid_thread_count():
     with pytest.raises(ValueError):
         RetryingExecutor(0)
+
+
+def test_close_from_inside_a_callback_does_not_deadlock():
+    ex = RetryingExecutor(2)
+    closed = threading.Event()
+
+    class Closer(FakeAction):
+        def complete_with_result(self, result):
+            ex.close()  # wait=True from a worker thread must not wait for itself
+            closed.set()
+            super().complete_with_result(result)
+
+    a = Closer(ok("x"))
+    ex.execute(RetryPolicy.none(), a)
+    assert closed.wait(WAIT)
+    a.wait_settled()
+    ex.close()
+    assert ex.closed and a.completed == ["x"]
+
+
+def test_close_from_a_timeout_failure_callback_does_not_deadlock():
+    ex = RetryingExecutor(1)
+    release = threading.Event()
+    closed = threading.Event()
+
+    class Closer(FakeAction):
+        def handle_failure(self, exc):
+            ex.close()  # runs on the timer thread
+            closed.set()
+            super().handle_failure(exc)
+
+    a = Closer(wait_for(release, ok()))
+    ex.execute(RetryPolicy.fixed(1, 30, 0), a)
+    assert closed.wait(WAIT)
+    release.set()
+    ex.close()
+    assert isinstance(a.failures[0], AttemptTimeoutError) and a.discarded == [1]

@@ -140,6 +140,7 @@ class RetryingExecutor:
         self._closed = False
         self._close_done = threading.Event()
         self._running: Set[Future] = set()
+        self._local = threading.local()  # marks this executor's worker and timer callbacks
 
     @property
     def closed(self) -> bool:
@@ -168,6 +169,13 @@ class RetryingExecutor:
             self._running.discard(fut)
 
     def _run_attempt(self, state: _ActionState, n: int) -> None:
+        self._local.inside = True
+        try:
+            self._run_attempt_inner(state, n)
+        finally:
+            self._local.inside = False
+
+    def _run_attempt_inner(self, state: _ActionState, n: int) -> None:
         if state.done:
             return
         if self._closed:  # queued behind busy workers when close() came: never started
@@ -248,6 +256,8 @@ class RetryingExecutor:
 
         With `wait`, returns once every running attempt and its outcome handling is done.
         """
+        if wait and (getattr(self._local, "inside", False) or self._timer.is_timer_thread()):
+            wait = False  # called from one of our own callbacks: waiting would wait for itself
         with self._lock:
             first = not self._closed
             self._closed = True
