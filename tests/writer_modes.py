@@ -67,16 +67,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "con
 
 def read_all(storage, handle) -> list:
     """Every change of `handle`, read through the storage's reader, as (key_group, data) tuples."""
-    try:
-        reader = storage.create_reader()
-    except ModuleNotFoundError:  # TEMP until dstl.reader lands
-        import fsspec
-        from dstl.format import decode_file
-        out = []
-        for sh, off in handle.handles_and_offsets:
-            with fsspec.open(sh.path, "rb") as f:
-                out += [(c.key_group, bytes(c.data)) for c in decode_file(f.read(), off, handle.key_group_range)]
-        return out
+    reader = storage.create_reader()
     it = reader.get_changes(handle)
     try:
         return [(c.key_group, bytes(c.data)) for c in it]
