@@ -151,9 +151,9 @@ class StateChangeFsUploader(StateChangeUploader):
         return UploadTasksResult(tasks_offsets, handle, local_handle, self.registry)
 
     def _delete_partial(self, path: str, local_path: Optional[str], created) -> None:
-        # the file may exist even if open() "failed" (e.g. a failing close); delete whatever is there
+        # only what this attempt created: an exclusive open that failed may have met someone else's file
         try:
-            if "remote" in created or self._fs.exists(path):
+            if "remote" in created:
                 self._fs.rm_file(path)
         except FileNotFoundError:
             pass
