@@ -130,9 +130,10 @@ class DownloadCache:
         self.hits = 0       # opens served from an existing temp file
 
     def applies_to(self, handle: StreamStateHandle) -> bool:
-        """False for files on the local disk, which are read in place."""
+        """False for files on the local disk (read in place) and in fsspec's in-process memory fs."""
         fs, _ = handle.filesystem()
-        return not is_local_filesystem(fs)
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        return not is_local_filesystem(fs) and "memory" not in protocols
 
     def cached_paths(self) -> List[str]:
         """Remote paths with a temp file right now."""
@@ -266,7 +267,10 @@ class DownloadCache:
 
 
 class _HandleIterator:
-    """Walks a handle's entries; keeps one file open while consecutive entries share it."""
+    """Walks a handle's entries; keeps one file open while consecutive entries share it.
+
+    `iter()` hands out the underlying generator, so `for`/`list()` run at C speed per change.
+    """
 
     def __init__(self, reader: "StateChangelogReader", handle, arrays: bool):
         entries = getattr(handle, "handles_and_offsets", None)
@@ -277,14 +281,8 @@ class _HandleIterator:
         self._entries = entries
         self._range = kgr
         self._arrays = arrays
-        self._next_entry = 0
         self._source: Optional[_Source] = None
-        self._pending: List[StateChange] = []
-        self._pending_pos = 0
-        self._closed = False
-
-    def __iter__(self):
-        return self
+        self._gen = self._generate()
 
     def _source_for(self, stream: StreamStateHandle) -> _Source:
         if self._source is not None and self._source.path == stream.path:
@@ -298,50 +296,36 @@ class _HandleIterator:
             source, self._source = self._source, None
             source.close(release_views=not self._arrays)
 
-    def _decode_next(self):
-        stream, offset = self._entries[self._next_entry]
-        self._next_entry += 1
-        source = self._source_for(stream)
+    def _generate(self):
         fmt = _format()
+        arrays = self._arrays
         try:
-            if self._arrays:
-                kgs, offs, lens, _ = fmt.decode_change_set_arrays(source.logical, offset, self._range)
-                return (source.logical, kgs, offs, lens)
-            changes, _ = fmt.decode_change_set(source.logical, offset, self._range)
-            return changes
-        except CorruptChangelogError as exc:
-            raise exc.with_file(stream.path) from None
+            for stream, offset in self._entries:
+                source = self._source_for(stream)
+                try:
+                    if arrays:
+                        kgs, offs, lens, _ = fmt.decode_change_set_arrays(source.logical, offset, self._range)
+                        item = (source.logical, kgs, offs, lens)
+                    else:
+                        changes, _ = fmt.decode_change_set(source.logical, offset, self._range)
+                except CorruptChangelogError as exc:
+                    raise exc.with_file(stream.path) from None
+                if arrays:
+                    yield item
+                else:
+                    yield from changes
+        finally:
+            self._close_source()
+
+    def __iter__(self):
+        return self._gen
 
     def __next__(self):
-        if self._arrays:
-            if self._closed or self._next_entry >= len(self._entries):
-                self.close()
-                raise StopIteration
-            try:
-                return self._decode_next()
-            except BaseException:
-                self.close()
-                raise
-        while True:
-            if self._pending_pos < len(self._pending):
-                change = self._pending[self._pending_pos]
-                self._pending_pos += 1
-                return change
-            if self._closed or self._next_entry >= len(self._entries):
-                self.close()
-                raise StopIteration
-            try:
-                self._pending = self._decode_next()
-            except BaseException:
-                self.close()
-                raise
-            self._pending_pos = 0
+        return next(self._gen)
 
     def close(self) -> None:
         """Close the open file; safe to call more than once."""
-        self._closed = True
-        self._pending = []
-        self._pending_pos = 0
+        self._gen.close()
         self._close_source()
 
     def __enter__(self):

@@ -415,3 +415,25 @@ def test_cache_closed_during_a_download(flink_fixtures, tmp_path, faulty):
     assert not t.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0])
     assert not os.path.exists(cache.directory)
+
+
+def test_cache_bypassed_for_the_memory_filesystem():
+    handle, want = _write_own_file(f"memory://dstl-reader-{uuid.uuid4().hex}", "zstd")
+    cache = DownloadCache(60_000)
+    try:
+        assert not cache.applies_to(handle.handles_and_offsets[0][0])
+        assert StateChangelogReader(cache).read_all(handle) == want
+        assert cache.downloads == 0
+    finally:
+        cache.close()
+
+
+def test_generator_protocol_next_and_for_share_one_position(flink_fixtures):
+    handle, d = fixture_handle(flink_fixtures, "multi-sqn/case.json")
+    it = StateChangelogReader().get_changes(handle)
+    first = next(it)
+    rest = [c for c in it]
+    assert digest([first] + rest) == expected(d)
+    with pytest.raises(StopIteration):
+        next(it)
+    it.close()
