@@ -10,7 +10,9 @@ import uuid
 from typing import Optional, Sequence
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+
+from dstl.format import write_file
+from dstl.handles import StreamStateHandle, is_local_filesystem
 
 from dstl.upload.task import UploadTask, UploadTasksResult
 
@@ -75,7 +77,8 @@ class StateChangeFsUploader(StateChangeUploader):
         self.registry = registry
         self.metrics = metrics
         self._fs, root = fsspec.core.url_to_fs(base_path)
-        self._local_fs = isinstance(self._fs, LocalFileSystem)
+        # plain paths only for the real local disk; wrappers (e.g. a test filesystem) keep their URL
+        self._local_fs = is_local_filesystem(self._fs)
         root = root.rstrip("/") if root not in ("/", "") else root
         self._dir = f"{root.rstrip('/')}/{job_id}/dstl"
         self._local_dir = (os.path.join(local_recovery_dir, f"jid_{job_id}", "taskowned")
@@ -102,9 +105,6 @@ class StateChangeFsUploader(StateChangeUploader):
                 self._dirs_ready = True
 
     def upload(self, tasks: Sequence[UploadTask]) -> UploadTasksResult:
-        from dstl.format import write_file
-        from dstl.handles import StreamStateHandle
-
         self.metrics.upload_requests.inc()
         start = time.perf_counter_ns()
         # batch order between tasks, (log id, sqn) order inside a task (FORMAT.md §5.1)
