@@ -908,35 +908,45 @@ class KeyedStateBackend:
     def _replay_handle(self, reader, handle, serializers: Dict[str, Any], stats: Dict[str, int]) -> None:
         local: Dict[int, _State] = {}   # state ids are per log
         stats["handles"] += 1
-        decode = C.decode
+        META, KG_SNAPSHOT, names = C.METADATA, C.KEY_GROUP_SNAPSHOT, C.OP_NAMES
+        applied = meta_changes = 0
         it = reader.get_changes_arrays(handle)
         try:
             for buf, kgs, offs, lens in it:
                 stats["change_sets"] += 1
-                view = memoryview(buf) if not isinstance(buf, (bytes, memoryview)) else buf
+                stats["changes_read"] += len(kgs)
+                stats["bytes_read"] += int(lens.sum())
+                view = buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
                 for kg, off, ln in zip(kgs.tolist(), offs.tolist(), lens.tolist()):
-                    payload = view[off:off + ln]
-                    stats["changes_read"] += 1
-                    stats["bytes_read"] += ln
-                    op, body = decode(payload)
-                    if op == C.METADATA:
-                        stats["meta_changes"] += 1
+                    if ln == 0:
+                        raise CorruptChangelogError("empty state change payload", off)
+                    op = view[off]
+                    if op not in names:
+                        raise CorruptChangelogError(f"unknown state change operation code {op}", off)
+                    try:
+                        body = unpackb(view[off + 1:off + ln])
+                    except Exception as exc:  # msgpack raises several unrelated types
+                        raise CorruptChangelogError(f"undecodable {names[op]} change body: {exc}", off) from exc
+                    if op == META:
+                        meta_changes += 1
                         meta = C.decode_meta(body)
                         local[meta.state_id] = self._restore_meta(meta, serializers)
                         continue
-                    stats["changes_applied"] += 1
-                    if op == C.KEY_GROUP_SNAPSHOT:
+                    applied += 1
+                    if op == KG_SNAPSHOT:
                         self._apply_kg_snapshot(kg, body, local)
                         continue
                     try:
                         state = local[body[0]]
                     except (KeyError, TypeError, IndexError):
                         raise CorruptChangelogError(
-                            f"{C.OP_NAMES[op]} change refers to state id {body[0] if body else None!r} "
+                            f"{names[op]} change refers to state id {body[0] if body else None!r} "
                             f"without a preceding METADATA change", off) from None
                     state._apply(op, kg, body)
         finally:
             it.close()
+            stats["changes_applied"] += applied
+            stats["meta_changes"] += meta_changes
 
     def _restore_meta(self, meta: C.StateMeta, serializers: Dict[str, Any]) -> _State:
         existing = self._states.get(meta.name)
