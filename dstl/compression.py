@@ -23,6 +23,7 @@ FLAG_ZSTD = 2
 SNAPPY_BLOCK = 65536
 SNAPPY_MIN_RATIO = 0.85
 SNAPPY_IDENTIFIER = b"\xff\x06\x00\x00sNaPpY"
+SNAPPY_MAX_EXPANSION = 32  # generous bound on decompressed/compressed bytes for real Snappy data
 ZSTD_BLOCK = 1 << 20  # logical bytes per zstd frame: frames stay independently decodable
 ZSTD_LEVEL = 3
 
@@ -213,13 +214,16 @@ def snappy_unframe(view: memoryview, base: int = 1, file: Optional[str] = None) 
             n = 0
         sizes.append(n)
         total += n
-    out = bytearray(total)
-    mv = memoryview(out)
+    # Chunk headers only *claim* sizes: preallocate the whole stream only when the claim is within
+    # what Snappy can produce from this many bytes; otherwise grow as chunks are verified.
+    preallocate = total <= SNAPPY_MAX_EXPANSION * len(view) + SNAPPY_BLOCK
+    out = bytearray(total) if preallocate else bytearray()
+    mv = memoryview(out) if preallocate else None
     pos = 0
     for (ctype, where, start, stop), n in zip(chunks, sizes):
         if ctype not in (0x00, 0x01):
             continue
-        target = mv[pos:pos + n]
+        target = mv[pos:pos + n] if preallocate else memoryview(bytearray(n))
         if ctype == 0x00:
             try:
                 got = cramjam.snappy.decompress_raw_into(view[start + 4:stop], target)
@@ -233,6 +237,8 @@ def snappy_unframe(view: memoryview, base: int = 1, file: Optional[str] = None) 
         actual = mask_crc(_crc32c.crc32c(target))
         if actual != expected:
             raise _corrupt(f"CRC-32C mismatch (stored 0x{expected:08X}, computed 0x{actual:08X})", where, file)
+        if not preallocate:
+            out += target
         pos += n
     return out
 

@@ -337,3 +337,33 @@ def test_decoded_changes_are_ordinary_state_changes(impl):
     assert (kg, data, changes[0].is_meta()) == (3, b"abc", True)
     with pytest.raises(AttributeError):
         changes[1].key_group = 4
+
+
+def test_snappy_size_claims_are_not_allocated_up_front():
+    """30k tiny chunks each claiming 64 KiB: the first bad chunk fails before 2 GB are reserved."""
+    import tracemalloc
+
+    claim = b"\x80\x80\x04" + b"\x00"  # varint 65536, then junk
+    chunk = b"\x00" + (4 + len(claim)).to_bytes(3, "little") + b"\x00" * 4 + claim
+    data = b"\x01" + compression.SNAPPY_IDENTIFIER + chunk * 30_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptChangelogError) as info:
+            fmt.to_logical(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.offset == 11 and info.value.file_offset
+    assert peak < 200 * len(data)
+
+
+@pytest.mark.parametrize("bound", [compression.SNAPPY_MAX_EXPANSION, 1])
+def test_snappy_decodes_with_and_without_preallocation(bound, monkeypatch):
+    logical = b"\x00" * (3 * 65536 + 17) + bytes(range(256)) * 300
+    data = compression.compress_logical(logical, "snappy")
+    monkeypatch.setattr(compression, "SNAPPY_MAX_EXPANSION", bound)  # 1: the grow-as-verified path
+    assert bytes(fmt.to_logical(data)) == logical
+    bad = bytearray(data)
+    bad[-3] ^= 0x40
+    with pytest.raises(CorruptChangelogError):
+        fmt.to_logical(bytes(bad))
