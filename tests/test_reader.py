@@ -437,3 +437,36 @@ def test_generator_protocol_next_and_for_share_one_position(flink_fixtures):
     with pytest.raises(StopIteration):
         next(it)
     it.close()
+
+
+def test_interleaved_files_switch_sources_and_release_them(tmp_path, faulty):
+    local_dir = tmp_path / "remote"
+    local_dir.mkdir()
+    h1, want1 = _write_own_file(faulty_url(local_dir), None)
+    h2, want2 = _write_own_file(faulty_url(local_dir), "snappy")
+    e1, e2 = h1.handles_and_offsets, h2.handles_and_offsets
+    mixed = ChangelogStateHandleStreamImpl([e1[0], e2[0], e1[1], e2[1], e2[2], e1[2]], KeyGroupRange(0, 7), 0)
+
+    def sets(want_all, handle):  # expected changes per entry of `handle`
+        per, i = [], 0
+        reader = StateChangelogReader()
+        for entry in handle.handles_and_offsets:
+            single = ChangelogStateHandleStreamImpl([entry], KeyGroupRange(0, 7), 0)
+            got = reader.read_all(single)
+            per.append(got)
+            i += len(got)
+        assert [c for p in per for c in p] == want_all
+        return per
+
+    s1, s2 = sets(want1, h1), sets(want2, h2)
+    want = s1[0] + s2[0] + s1[1] + s2[1] + s2[2] + s1[2]
+    cache = DownloadCache(60_000)
+    try:
+        reader = StateChangelogReader(cache)
+        assert reader.read_all(mixed) == want
+        assert arrays_to_changes(reader.get_changes_arrays(mixed)) == want
+        assert cache.downloads == 2
+        assert all(cache.ref_count(h.path) == 1 for h in (e1[0][0], e2[0][0]))
+    finally:
+        cache.close()
+    assert StateChangelogReader().read_all(mixed) == want  # without a cache too
