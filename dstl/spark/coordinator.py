@@ -75,6 +75,16 @@ def _fs(url: str):
     return fsspec.core.url_to_fs(url)
 
 
+def _ls(fs, path: str, detail: bool = False):
+    """A fresh listing that leaves no cached listing behind: object-store filesystems (s3fs) would
+    otherwise answer later existence checks of new files from a stale directory cache."""
+    fs.invalidate_cache(path)
+    try:
+        return fs.ls(path, detail=detail)
+    finally:
+        fs.invalidate_cache(path)
+
+
 def _join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
 
@@ -264,7 +274,7 @@ class CheckpointCoordinator:
         staging = _join(root, "_staging")
         if not fs.exists(staging):
             return
-        for entry in fs.ls(staging, detail=False):
+        for entry in _ls(fs, staging):
             name = posixpath.basename(entry.rstrip("/"))
             if name.startswith("batch-") and int(name[6:]) >= self.next_batch:
                 self._rm(fs, entry)
@@ -285,7 +295,7 @@ class CheckpointCoordinator:
         """Changelog file name -> size, for every file under `<base>/<job>/dstl/`."""
         fs, root = _fs(self.changelog_dir())
         try:
-            entries = fs.ls(root, detail=True)
+            entries = _ls(fs, root, detail=True)
         except FileNotFoundError:
             return {}
         return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
@@ -324,6 +334,16 @@ class CheckpointCoordinator:
 
     def finish(self) -> int:
         """End of a successful run (no task running): delete every unreferenced changelog file."""
+        if self.spec.output_path:
+            fs, root = _fs(self.spec.output_path)
+            staging = _join(root, "_staging")
+            try:
+                fs.invalidate_cache(staging)
+                if fs.exists(staging) and not fs.find(staging):
+                    fs.rm(staging, recursive=True)
+            except FileNotFoundError:
+                pass
+            fs.invalidate_cache(staging)
         if not self.durable:
             return 0
         return self.collect_garbage(final=True)[2]

@@ -436,6 +436,7 @@ def read_output(output: str):
     import pyarrow.parquet as pq
 
     fs, root = fsspec.core.url_to_fs(output)
+    fs.invalidate_cache()
     frames = []
     if not fs.exists(root):
         return pd.DataFrame(), []

@@ -1,0 +1,192 @@
+"""The `dstl pipeline` job end to end on real PySpark (the suite's shared local[2,4] session).
+
+Each run is small (a few thousand events) but goes through everything: routing, worker cache,
+changelog uploads, checkpoint metadata, output commit, garbage collection, and `--verify`, which
+restores the final state from the changelog on the driver and compares state and output with pandas.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dstl import cli
+from dstl.spark import pipeline
+from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
+
+pytestmark = pytest.mark.spark
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+SMALL = ["--events", "6000", "--batches", "4", "--users", "300", "--items", "60", "--materialize-every", "1500"]
+
+
+def _options(*argv):
+    p = argparse.ArgumentParser()
+    pipeline.add_arguments(p)
+    return pipeline.check_options(p.parse_args(["--quiet", *argv]))
+
+
+def _run(spark, *argv):
+    return pipeline.run_pipeline(_options(*argv), spark=spark, stream=io.StringIO())
+
+
+def _unreferenced_changelog_files(base, job_id):
+    """Changelog files no retained checkpoint references, computed independently of the coordinator."""
+    metas = [read_checkpoint(base, c) for c in list_checkpoints(base)]
+    keep = {os.path.basename(f) for f in retained_files(metas)}
+    directory = os.path.join(base, job_id, "dstl")
+    return sorted(n for n in os.listdir(directory) if n not in keep)
+
+
+def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path):
+    base = str(tmp_path / "job")
+    report = _run(spark, *SMALL, "--base-path", base, "--verify")
+    assert report.verify == [], report.render()
+    assert report.batches == 4 and report.events == 6000
+    # subtasks are pinned to their own Python workers: only the first batch opens fresh backends
+    assert report.cache_hits >= report.subtask_batches - 2
+    assert list_checkpoints(base) == [3, 4]  # retain 2
+    assert report.uploaded_files > 0 and report.retained_files > 0
+    assert _unreferenced_changelog_files(base, report.job_id) == []
+    out = tmp_path / "job" / "output"
+    assert sorted(os.listdir(out)) == [f"batch-{b:06d}" for b in range(4)]
+    assert all((out / f"batch-{b:06d}" / "_SUCCESS").exists() for b in range(4))
+
+
+def test_task_failure_is_retried_without_duplicates(spark, tmp_path):
+    base = str(tmp_path / "job")
+    report = _run(spark, *SMALL, "--base-path", base, "--fail-at", "2", "--verify")
+    assert report.verify == [], report.render()
+    marker = tmp_path / "job" / "_dstl_failures" / "batch-000002"
+    assert marker.exists(), "the injected failure did not happen"
+    # the retried attempt restored subtask 0 from checkpoint 2 instead of using a half-updated cache
+    assert report.fail_restore_ms is not None
+    assert _unreferenced_changelog_files(base, report.job_id) == []
+
+
+def test_rescale_2_to_4_to_1(spark, tmp_path):
+    base = str(tmp_path / "job")
+    events = ["--events", "9000", "--batches", "6", "--users", "400", "--items", "60",
+              "--materialize-every", "2000"]
+    r1 = _run(spark, *events, "--base-path", base, "--parallelism", "2", "--stop-at", "1")
+    assert r1.batches == 2 and read_checkpoint(base, 2).parallelism == 2
+    r2 = _run(spark, *events, "--base-path", base, "--parallelism", "4", "--resume", "--stop-at", "3")
+    assert r2.first_batch == 2 and r2.batches == 2 and read_checkpoint(base, 4).parallelism == 4
+    assert len(r2.restores) >= 4  # every new subtask restored from the parallelism-2 checkpoint
+    r3 = _run(spark, *events, "--base-path", base, "--parallelism", "1", "--resume", "--verify")
+    assert r3.first_batch == 4 and r3.batches == 2
+    assert read_checkpoint(base, 6).parallelism == 1
+    assert r3.verify == [], r3.render()
+    assert _unreferenced_changelog_files(base, r3.job_id) == []
+
+
+def test_spark_shuffle_routing_verifies(spark, tmp_path):
+    """The generic path: key groups by a pandas UDF, Spark's shuffle routes rows to subtask tasks."""
+    report = _run(spark, *SMALL, "--base-path", str(tmp_path / "job"), "--routing", "spark",
+                  "--parallelism", "3", "--verify")
+    assert report.verify == [], report.render()
+
+
+@pytest.mark.s3
+def test_s3_base_path(spark, s3_bucket):
+    base = f"{s3_bucket}/pipeline"
+    report = _run(spark, "--events", "3000", "--batches", "3", "--users", "200", "--items", "40",
+                  "--base-path", base, "--verify")
+    assert report.verify == [], report.render()
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(base)
+    assert fs.exists(f"{root}/checkpoints/chk-3/_metadata")
+    assert fs.exists(f"{root}/output/batch-000002/_SUCCESS")
+    assert report.garbage_files == 0 and report.retained_files > 0
+
+
+def test_kill_then_resume(spark, tmp_path):
+    """The driver is SIGKILLed after checkpoint 2 is written and before batch 1's output is committed."""
+    base = tmp_path / "job"
+    argv = [sys.executable, "-m", "dstl", "pipeline", "--quiet", "--events", "4500", "--batches", "3",
+            "--users", "300", "--items", "50", "--base-path", str(base), "--kill-at", "1", "--master", "local[2,4]"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    proc = subprocess.Popen(argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group we started: driver, its JVM, Python workers
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert b"--kill-at 1" in err
+    assert list_checkpoints(str(base))[-1] == 2
+    batch1 = base / "output" / "batch-000001"
+    assert not (batch1 / "_SUCCESS").exists()  # killed before the commit
+    assert list((base / "output" / "_staging" / "batch-000001").iterdir())  # staged, listed in chk-2
+    report = _run(spark, "--events", "4500", "--batches", "3", "--users", "300", "--items", "50",
+                  "--base-path", str(base), "--resume", "--verify")
+    assert report.recovered_output and report.first_batch == 2 and report.batches == 1
+    assert report.verify == [], report.render()
+    assert (batch1 / "_SUCCESS").exists()
+
+
+def test_memory_baseline_runs_without_checkpoints(spark, tmp_path):
+    base = tmp_path / "job"
+    report = _run(spark, *SMALL, "--base-path", str(base), "--state", "memory")
+    assert report.batches == 4 and report.events == 6000
+    assert list_checkpoints(str(base)) == []
+    assert (base / "output" / "batch-000003" / "_SUCCESS").exists()
+
+
+# ------------------------------------------------------------------ errors: exit 2, one line, no Spark
+
+def _cli(capsys, *argv):
+    code = cli.main(["pipeline", "--quiet", *argv])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism", "0"], "--parallelism must be >= 1"),
+    (["--parallelism", "8", "--max-parallelism", "4"], "must not exceed --max-parallelism"),
+    (["--max-parallelism", "40000"], "--max-parallelism must be <="),
+    (["--fail-at", "10"], "--fail-at must be a batch in 0..9"),
+    (["--storage-option", "nonsense"], "KEY=VALUE"),
+    (["--storage-option", "upload.mode=carrier-pigeon"], "upload.mode"),
+    (["--state", "memory", "--verify"], "--state memory"),
+])
+def test_bad_options_exit_2(capsys, tmp_path, argv, message):
+    code, err = _cli(capsys, "--base-path", str(tmp_path / "b"), *argv)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_paths_and_other_jobs_exit_2(capsys, tmp_path):
+    code, err = _cli(capsys, "--base-path", str(tmp_path / "b"), "--input", str(tmp_path / "nope.parquet"))
+    assert code == 2 and "does not exist" in err
+    code, err = _cli(capsys, "--base-path", str(tmp_path / "no" / "such" / "dir"))
+    assert code == 2 and "does not exist" in err
+    code, err = _cli(capsys, "--base-path", str(tmp_path / "empty"), "--resume")
+    assert code == 2 and "nothing to resume" in err
+    from dstl.config import StorageConfig
+    from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
+
+    base = str(tmp_path / "taken")
+    CheckpointCoordinator.open(base, JobSpec.new("user-activity", 128, base + "/output", {"events": 5}),
+                               StorageConfig(base_path=base).to_mapping(), resume=False)
+    code, err = _cli(capsys, "--base-path", base)
+    assert code == 2 and "already holds job" in err and len(err.splitlines()) == 1
+    code, err = _cli(capsys, "--base-path", base, "--resume", "--events", "6")
+    assert code == 2 and "events" in err
+
+
+def test_demo_refuses_a_foreign_directory(capsys, tmp_path):
+    target = tmp_path / "demo-run"
+    target.mkdir()
+    (target / "precious.txt").write_text("keep me")
+    assert cli.main(["demo", "--dir", str(target)]) == 2
+    assert "not a previous demo run" in capsys.readouterr().err
+    assert (target / "precious.txt").exists()
