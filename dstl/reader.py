@@ -24,6 +24,7 @@ from dstl.types import StateChange
 
 log = logging.getLogger(__name__)
 
+_CHUNK = 4 << 20  # copy size for raw downloads
 ArraysItem = Tuple[Any, Any, Any, Any]  # (logical buffer, key_groups, offsets, lengths)
 
 
@@ -177,20 +178,16 @@ class DownloadCache:
     def _download(self, handle: StreamStateHandle, entry: _Entry) -> None:
         tmp = None
         try:
-            fs, p = handle.filesystem()
-            data = fs.cat_file(p)
-            logical = _format().to_logical(data, handle.path)
-            del data
             with self._lock:
                 self._check_open()
             fd, tmp = tempfile.mkstemp(prefix=uuid.uuid4().hex, suffix=".logical", dir=self.directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(logical)
+            with os.fdopen(fd, "wb") as out:
+                size = self._fetch_logical(handle, out)
             with self._lock:
                 # close() ran during the download: it could not see this file, so drop it here
                 self._check_open()
                 entry.file, tmp = tmp, None
-                entry.size = len(memoryview(logical))
+                entry.size = size
                 self.downloads += 1
         except BaseException as exc:
             if self._closed and not isinstance(exc, RuntimeError):
@@ -206,6 +203,30 @@ class DownloadCache:
                     del self._entries[handle.path]
         finally:
             entry.ready.set()
+
+    @staticmethod
+    def _fetch_logical(handle: StreamStateHandle, out) -> int:
+        """Write the decoded logical stream of `handle`'s file to `out`; returns its length.
+
+        A raw file (flag 0) is copied in chunks, so memory stays bounded however large the file is;
+        compressed files are decoded whole (every CRC checked) by the format module.
+        """
+        fmt = _format()
+        fs, p = handle.filesystem()
+        with fs.open(p, "rb") as src:
+            head = src.read(1)
+            if head == bytes([fmt.FLAG_RAW]):
+                size = 0
+                while True:
+                    chunk = src.read(_CHUNK)
+                    if not chunk:
+                        return size
+                    out.write(chunk)
+                    size += len(chunk)
+            data = head + src.read()
+        logical = fmt.to_logical(data, handle.path)
+        out.write(logical)
+        return len(memoryview(logical))
 
     def _release(self, path: str, entry: _Entry) -> None:
         with self._lock:

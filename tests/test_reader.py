@@ -470,3 +470,22 @@ def test_interleaved_files_switch_sources_and_release_them(tmp_path, faulty):
     finally:
         cache.close()
     assert StateChangelogReader().read_all(mixed) == want  # without a cache too
+
+
+def test_cache_copies_large_raw_files_in_chunks(tmp_path, faulty):
+    import uuid as _uuid
+
+    big = os.urandom(9 << 20)  # spans three 4 MiB copy chunks
+    sets = [StateChangeSet(_uuid.uuid4(), 0, [StateChange.meta(b"m"), StateChange(1, big), StateChange(2, b"x")])]
+    data, where = fmt.encode_file(sets)
+    (tmp_path / "big").write_bytes(data)
+    stream = StreamStateHandle(faulty_url(tmp_path / "big"), len(data) - 1)
+    h = ChangelogStateHandleStreamImpl([(stream, where[0][0])], KeyGroupRange(0, 1), where[0][1])
+    cache = DownloadCache(60_000)
+    try:
+        got = StateChangelogReader(cache).read_all(h)
+        assert [c.key_group for c in got] == [-1, 1] and got[1].data == big  # kg 2 filtered out
+        cached = os.path.join(cache.directory, os.listdir(cache.directory)[0])
+        assert os.path.getsize(cached) == len(data) - 1  # the logical stream: flag byte dropped
+    finally:
+        cache.close()
