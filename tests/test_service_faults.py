@@ -47,6 +47,10 @@ def _files(base, job):
     return sorted(os.listdir(d)) if os.path.isdir(d) else []
 
 
+def _local(path: str) -> str:
+    return path[len("gate://"):] if path.startswith("gate://") else path
+
+
 def _read(storage, handle):
     return [(c.key_group, bytes(c.data)) for c in storage.create_reader().get_changes(handle)]
 
@@ -223,10 +227,10 @@ def test_client_killed_with_sigkill_has_its_memory_and_unconfirmed_files_reclaim
 
         def reclaimed():
             return not [n for n in os.listdir("/dev/shm") if n.startswith(info["prefix"])] and \
-                not any(os.path.exists(p) for p in info["files"][1:])
+                not any(os.path.exists(_local(p)) for p in info["files"][1:])
 
         _wait(reclaimed, 20, "the dead client's segments and unconfirmed files to go")
-        assert os.path.exists(info["files"][0]), "a confirmed file must survive its writer's death"
+        assert os.path.exists(_local(info["files"][0])), "a confirmed file must survive its writer's death"
         # the upload that was in flight finished after the death: its file is released as well
         _wait(lambda: _files(base, job) == [os.path.basename(info["files"][0])], 20, "the late file to go")
     finally:

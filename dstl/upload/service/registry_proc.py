@@ -87,6 +87,9 @@ def registry_main(conn, journal_dir: str, discard_threads: int) -> None:
     """Entry point of the registry process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped by its service, not by a terminal's ^C
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s registry %(levelname)s %(message)s")
+    from dstl.upload.service.worker import _preload_user_modules
+
+    _preload_user_modules()  # file systems registered by user modules must be deletable here too
     os.makedirs(journal_dir, mode=0o700, exist_ok=True)
     with file_lock(os.path.join(journal_dir, "lock"), timeout_s=60):
         reg = _Registry(conn, journal_dir, discard_threads)

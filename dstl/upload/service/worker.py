@@ -99,12 +99,13 @@ def _file_name(name):
 def intended_url(job: dict) -> str:
     """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
     import fsspec
-    from fsspec.implementations.local import LocalFileSystem
+
+    from dstl.handles import is_local_filesystem
 
     fs, root = fsspec.core.url_to_fs(job["base_path"])
     root = root.rstrip("/") if root not in ("/", "") else root
     path = f"{root.rstrip('/')}/{job['job_id']}/dstl/{job['file_name']}"
-    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    return path if is_local_filesystem(fs) else fs.unstrip_protocol(path)
 
 
 def run_attempt(job: dict) -> dict:
