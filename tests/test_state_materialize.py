@@ -202,3 +202,72 @@ def test_rescale_after_materialization_and_more_changes(storage):
     for r in news:
         merged.update(dict(r.get_state("v").all_items()))
     assert merged == model
+
+
+def test_failed_upload_heals_by_materializing_at_the_next_checkpoint(faulty, tmp_path):
+    st = open_storage(faulty_url(tmp_path / "cl"), upload_mode="direct", preemptive_persist_threshold="2 kb")
+    try:
+        b = KeyedStateBackend(st, "op", FULL, MAXP)
+        v = b.value_state("v")
+        fill(b, 50)
+        FAULTS.fail_writes(1)
+        for i in range(200):               # a pre-emptive upload fails somewhere in here
+            v.update(i, "x" * 20)
+        assert b.writer.highest_failed is not None
+        snap = b.snapshot(1).result()      # cannot persist the broken segment: materializes first
+        assert b.materializations == 1 and len(snap.materialized) == 1
+        b.confirm(1)
+        r = KeyedStateBackend.restore(st, "op", FULL, MAXP, [snap])
+        assert dump(r) == dump(b)          # nothing accepted was lost
+    finally:
+        st.close()
+
+
+def test_failed_checkpoint_upload_then_next_checkpoint(faulty, tmp_path):
+    st = open_storage(faulty_url(tmp_path / "cl"), upload_mode="direct")
+    try:
+        b = KeyedStateBackend(st, "op", FULL, MAXP)
+        fill(b, 100)
+        FAULTS.fail_writes(1)
+        with pytest.raises(OSError):
+            b.snapshot(1).result()
+        b.abort(1)
+        fill(b, 10, start=5000)
+        snap = b.snapshot(2).result()
+        b.confirm(2)
+        assert dump(KeyedStateBackend.restore(st, "op", FULL, MAXP, [snap])) == dump(b)
+    finally:
+        st.close()
+
+
+class _FailAfterAppend:
+    """The real writer, but append/append_many raise OSError after adding (SEMANTICS §4.5)."""
+
+    def __init__(self, writer):
+        self._w = writer
+
+    def append(self, *a):
+        self._w.append(*a)
+        raise OSError("pre-emptive upload failed")
+
+    def append_many(self, *a):
+        self._w.append_many(*a)
+        raise OSError("pre-emptive upload failed")
+
+    def __getattr__(self, name):
+        return getattr(self._w, name)
+
+
+def test_append_error_after_the_change_was_logged_keeps_memory_in_step(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    v = b.value_state("v")
+    real = b._writer
+    b._writer = _FailAfterAppend(real)
+    with pytest.raises(OSError, match="pre-emptive"):
+        v.update("a", 1)
+    with pytest.raises(OSError, match="pre-emptive"):
+        v.update_many(["b", "c"], [2, 3])
+    assert dict(v.items()) == {"a": 1, "b": 2, "c": 3}   # memory matches what the log holds
+    b._writer = real
+    snap = b.snapshot(1).result()
+    assert dump(KeyedStateBackend.restore(storage, "op", FULL, MAXP, [snap])) == dump(b)

@@ -679,6 +679,7 @@ class KeyedStateBackend:
         self._since_changes = 0
         self._since_bytes = 0
         self._materializing = False
+        self._deferred_error: Optional[BaseException] = None
         self._closed = False
         self.restore_stats: Dict[str, int] = {}
         self.materializations = 0
@@ -708,18 +709,30 @@ class KeyedStateBackend:
 
     def _append(self, kg: int, payload: bytes) -> None:
         self._check_open()
-        self._writer.append(kg, payload)
+        try:
+            self._writer.append(kg, payload)
+        except OSError as exc:
+            # the change is in the log (a pre-emptive upload failed afterwards, SEMANTICS §4.5): let
+            # the caller apply it in memory too, then raise from _mutated()
+            self._deferred_error = exc
         self._since_changes += 1
         self._since_bytes += len(payload)
 
     def _append_many(self, kgs: np.ndarray, data: np.ndarray, offsets: np.ndarray) -> None:
         self._check_open()
-        self._writer.append_many(np.ascontiguousarray(kgs, dtype=np.int32), data, offsets)
+        try:
+            self._writer.append_many(np.ascontiguousarray(kgs, dtype=np.int32), data, offsets)
+        except OSError as exc:
+            self._deferred_error = exc
         self._since_changes += len(kgs)
         self._since_bytes += int(offsets[-1] - offsets[0])
 
     def _mutated(self, n: int = 1) -> None:
-        """After the in-memory table changed: materialize if the interval is reached."""
+        """After the in-memory table changed: raise a deferred append error, else materialize if
+        the interval is reached."""
+        if self._deferred_error is not None:
+            exc, self._deferred_error = self._deferred_error, None
+            raise exc
         if self._materializing:
             return
         if (self.materialize_every_changes is not None and self._since_changes >= self.materialize_every_changes) \
@@ -798,10 +811,17 @@ class KeyedStateBackend:
             raise ValueError(f"checkpoint_id must be >= 0, got {checkpoint_id}")
         if checkpoint_id in self._pending:
             raise ValueError(f"checkpoint {checkpoint_id} was already snapshotted")
-        mat = self._mat
-        start = mat.sqn if mat is not None else self._writer.initial_sequence_number()
-        end = self._writer.next_sequence_number()
-        persisted = self._writer.persist(start, checkpoint_id)
+        try:
+            mat, start, end, persisted = self._persist(checkpoint_id)
+        except OSError:
+            if self._writer.highest_failed is None:
+                raise
+            # an upload of this log segment failed, so it cannot be persisted any more; the state in
+            # memory is complete, so materialize it and persist the fresh segment after it
+            log.warning("%s %s: changelog upload failed earlier; materializing before checkpoint %d",
+                        self.operator_id, self.key_group_range, checkpoint_id)
+            self.materialize(force=True)
+            mat, start, end, persisted = self._persist(checkpoint_id)
         self._pending[checkpoint_id] = _Pending(mat, start, end)
         handles = list(mat.handles) if mat is not None else []
         kgr, maxp = self.key_group_range, self.max_parallelism
@@ -818,6 +838,12 @@ class KeyedStateBackend:
 
         persisted.add_done_callback(done)
         return out
+
+    def _persist(self, checkpoint_id: int):
+        mat = self._mat
+        start = mat.sqn if mat is not None else self._writer.initial_sequence_number()
+        end = self._writer.next_sequence_number()
+        return mat, start, end, self._writer.persist(start, checkpoint_id)
 
     def confirm(self, checkpoint_id: int) -> None:
         """The checkpoint completed: it owns its files now; drop what it made obsolete."""
@@ -850,12 +876,14 @@ class KeyedStateBackend:
         if rec is not None:
             self._writer.reset(rec.start, rec.end, checkpoint_id)
 
-    def materialize(self) -> None:
-        """Write a compact snapshot of all state per key group; see dstl.state.materialize."""
+    def materialize(self, force: bool = False) -> None:
+        """Write a compact snapshot of all state per key group; see dstl.state.materialize.
+
+        A no-op when nothing changed since the last materialization, unless `force`."""
         from dstl.state.materialize import materialize
 
         self._check_open()
-        materialize(self)
+        materialize(self, force=force)
 
     # -- restore --------------------------------------------------------------------------------
     @classmethod

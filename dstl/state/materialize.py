@@ -93,10 +93,10 @@ def encode_key_group(backend, kg: int) -> Optional[bytes]:
     return bytes((C.KEY_GROUP_SNAPSHOT,)) + packb(entries)
 
 
-def materialize(backend) -> Materialization:
+def materialize(backend, force: bool = False) -> Materialization:
     """Materialize `backend` now (see the module docstring); returns the new Materialization."""
     cur = backend._mat
-    if cur is not None and cur.writer is not None and backend._since_changes == 0:
+    if not force and cur is not None and cur.writer is not None and backend._since_changes == 0:
         return cur  # nothing changed since the last one
     backend._materializing = True
     try:
