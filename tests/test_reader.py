@@ -489,3 +489,34 @@ def test_cache_copies_large_raw_files_in_chunks(tmp_path, faulty):
         assert os.path.getsize(cached) == len(data) - 1  # the logical stream: flag byte dropped
     finally:
         cache.close()
+
+
+def test_cache_stress_with_immediate_expiry(flink_fixtures, tmp_path, faulty):
+    handles = [_remote_copy(flink_fixtures, tmp_path, case) for case in ("multi-sqn", "tiny-snappy", "preemptive")]
+    cache = DownloadCache(0)  # every idle moment may delete the temp file
+    errors = []
+
+    def worker(seed):
+        import random
+
+        rng = random.Random(seed)
+        reader = StateChangelogReader(cache)
+        try:
+            for _ in range(15):
+                handle, d = rng.choice(handles)
+                assert digest(reader.read_all(handle)) == expected(d)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        assert _wait_until(lambda: not cache.cached_paths())
+        assert os.listdir(cache.directory) == []
+        assert cache.downloads >= 3
+    finally:
+        cache.close()
