@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from dstl._timer import TimerThread
 from dstl.errors import CorruptChangelogError

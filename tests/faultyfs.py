@@ -244,10 +244,6 @@ class _FaultyWriter(io.RawIOBase):
             super().close()
 
 
-class _FaultyReader(io.BufferedReader):
-    pass
-
-
 class FaultyFileSystem(LocalFileSystem):
     """`LocalFileSystem` under the `faulty` protocol, with the faults queued on `FAULTS`."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any, Generic, Optional, Protocol, Set, TypeVar
+from typing import Generic, Optional, Protocol, Set, TypeVar
 
 from dstl._timer import TimerHandle, TimerThread
 from dstl.metrics import Histogram
