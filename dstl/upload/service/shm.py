@@ -137,10 +137,10 @@ def sweep(prefix: str) -> int:
 def parse_name(name: str) -> Optional[Tuple[int, int]]:
     """(service pid, client pid) from a segment name, or None if it is not one of ours."""
     parts = name[len(PREFIX):].split("_") if name.startswith(PREFIX) else []
-    if len(parts) != 5:
+    if len(parts) != 4:  # instance (= <service pid>x<random>), client pid, client id, n
         return None
     try:
-        return int(parts[0].split("x")[0]), int(parts[2])
+        return int(parts[0].split("x")[0]), int(parts[1])
     except ValueError:
         return None
 

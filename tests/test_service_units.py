@@ -1,0 +1,153 @@
+"""Upload service building blocks: the registry journal, shared-memory segments, the runtime lock."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dstl.upload.service import shm
+from dstl.upload.service.journal import Journal, RegistryState
+from dstl.upload.service.runtime import file_lock, pid_alive
+
+
+def test_state_counts_shares_and_deletes_exactly_at_zero():
+    s = RegistryState()
+    assert s.apply(["start", 1, "f", 3, {"a": 2, "b": 1}]) == []
+    assert s.apply(["release", 2, "f", "a"]) == []
+    assert s.ref_count("f") == 2
+    assert s.apply(["release", 2, "f", "a"]) == []  # the same id again: ignored (re-sent after a restart)
+    assert s.ref_count("f") == 2
+    assert s.apply(["drop_client", 3, "b"]) == []  # b's one share
+    assert s.ref_count("f") == 1
+    assert s.apply(["release", 4, "f", "a"]) == ["f"]
+    assert s.ref_count("f") is None and s.pending_delete == {"f"}
+    # stop_tracking: the checkpoint owns the file; later releases never delete it
+    s.apply(["start", 5, "g", 1, {"a": 1}])
+    s.apply(["stop", 6, "g"])
+    assert s.apply(["release", 7, "g", "a"]) == [] and s.apply(["drop_client", 8, "a"]) == []
+    assert s.apply(["discard", 9, "h"]) == ["h"]
+    with pytest.raises(ValueError, match="unknown registry operation"):
+        s.apply(["bogus", 10])
+
+
+def test_journal_replays_compacts_and_ignores_a_torn_record(tmp_path):
+    j = Journal(str(tmp_path), compact_every=4)
+    s = j.load()
+    for op in (["start", 10, "a", 2, {"c": 2}], ["start", 11, "b", 1, {"c": 1}], ["release", 12, "b", "c"]):
+        s.apply(op)
+        j.append(op)
+    j.append(["deleted", 0, "b"])
+    s.pending_delete.discard("b")
+    j.close()
+    with open(tmp_path / "journal.log", "ab") as f:
+        f.write(b'["release", 13, "a"')  # killed mid-write
+    j2 = Journal(str(tmp_path), compact_every=4)
+    s2 = j2.load()
+    assert s2.last_id == 12 and s2.ref_count("a") == 2 and s2.ref_count("b") is None
+    assert s2.pending_delete == set()
+    assert (tmp_path / "journal.log").read_bytes().endswith(b"\n")  # torn tail cut off
+    op = ["release", 13, "a", "c"]
+    s2.apply(op)
+    j2.append(op)
+    j2.compact(s2)
+    j2.close()
+    assert (tmp_path / "journal.log").read_bytes() == b""
+    snap = json.loads((tmp_path / "snapshot.json").read_text())
+    assert snap["last_id"] == 13 and snap["entries"]["a"][0] == 1
+    s3 = Journal(str(tmp_path)).load()
+    assert s3.ref_count("a") == 1 and s3.last_id == 13
+
+
+def test_pending_deletions_survive_in_the_journal(tmp_path):
+    j = Journal(str(tmp_path))
+    s = j.load()
+    for op in (["start", 1, "x", 1, {}], ["release", 2, "x", None]):
+        s.apply(op)
+        j.append(op)
+    j.close()
+    assert Journal(str(tmp_path)).load().pending_delete == {"x"}  # deletion not confirmed: redo it
+
+
+def test_segments_round_trip_reuse_and_sweep():
+    prefix = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t1")
+    name = prefix + "1"
+    try:
+        total, spans = shm.create_segment(name, [b"abc", memoryview(b"defgh"), bytearray(b"")])
+        assert total == 8 and spans == [(0, 3), (3, 5), (8, 0)]
+        seg = shm.attach(name)
+        assert bytes(seg.buf[:8]) == b"abcdefgh"
+        seg.close()
+        with pytest.raises(FileExistsError):
+            shm.create_segment(name, [b"x"])
+        total, spans = shm.create_segment(name, [b"XY"], reuse=True)
+        seg = shm.attach(name)
+        assert bytes(seg.buf[:2]) == b"XY"
+        seg.close()
+        assert shm.list_segments(prefix) == [name]
+        assert shm.parse_name(name) == (os.getpid(), os.getpid())
+    finally:
+        assert shm.sweep(prefix) == 1
+    assert shm.list_segments(prefix) == []
+    assert shm.unlink(name) is False
+
+
+def test_orphan_sweep_only_takes_segments_whose_processes_are_gone():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    mine = shm.segment_prefix(f"{os.getpid()}xunit", dead_pid, "t2") + "1"
+    orphan = shm.segment_prefix(f"{dead_pid}xunit", dead_pid, "t3") + "1"
+    try:
+        shm.create_segment(mine, [b"1"])
+        shm.create_segment(orphan, [b"2"])
+        assert shm.sweep_orphans(pid_alive) >= 1
+        assert shm.list_segments(orphan) == [] and shm.list_segments(mine) == [mine]
+    finally:
+        shm.unlink(mine)
+        shm.unlink(orphan)
+
+
+def test_attaching_in_another_process_leaves_no_tracker_warnings():
+    name = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t4") + "1"
+    shm.create_segment(name, [b"hello"])
+    code = ("import sys; from dstl.upload.service import shm; s = shm.attach(sys.argv[1]); "
+            "print(bytes(s.buf[:5]).decode()); s.close()")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+        assert r.stdout.strip() == "hello"
+        assert "leaked" not in r.stderr and "resource_tracker" not in r.stderr
+        assert shm.list_segments(name) == [name]  # the attacher's exit did not unlink it
+    finally:
+        shm.unlink(name)
+
+
+def test_file_lock_excludes_and_times_out(tmp_path):
+    path = str(tmp_path / "lock")
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder():
+        with file_lock(path):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="could not lock"):
+            with file_lock(path, timeout_s=0.2):
+                pass
+        assert time.monotonic() - start >= 0.2
+    finally:
+        release.set()
+        t.join(10)
+    with file_lock(path, timeout_s=1):
+        pass
