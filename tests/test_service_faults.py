@@ -100,15 +100,20 @@ def test_scheduler_killed_fails_pending_futures_and_the_next_storage_starts_a_fr
     w.append(1, b"early")
     early = w.persist(0, 1).result(20).job_manager_owned_snapshot
     w.append(2, b"late")
+    other = _storage(gate_url(base), job_id=job)  # a second client of the same service
+    assert other.scheduler.service_pid == pid
+    wo = other.create_writer("op-other", KGR)
+    wo.append(3, b"other")
     (base / ".gate").touch()
-    pending = w.persist(0, 1)
+    pending = [w.persist(0, 1), wo.persist(0, 1)]
     _wait(lambda: held_pids(base), what="the upload to hang")
     t = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(OSError) as info:
-        pending.result(s.config.upload_timeout_ms / 1000.0 + 5)
+    for fut in pending:  # every client's pending futures fail, clearly and quickly
+        with pytest.raises(OSError) as info:
+            fut.result(s.config.upload_timeout_ms / 1000.0 + 5)
+        assert isinstance(info.value, UploadServiceError) or isinstance(info.value.__cause__, UploadServiceError)
     assert time.monotonic() - t < s.config.upload_timeout_ms / 1000.0 + 5
-    assert isinstance(info.value, UploadServiceError) or isinstance(info.value.__cause__, UploadServiceError)
     # later uploads fail at once, clearly
     w2 = s.create_writer("op2", KGR)
     w2.append(3, b"x")
@@ -126,9 +131,10 @@ def test_scheduler_killed_fails_pending_futures_and_the_next_storage_starts_a_fr
     w3 = s2.create_writer("op", KGR)
     w3.append(4, b"fresh")
     assert _read(s2, w3.persist(0, 1).result(20).job_manager_owned_snapshot) == [(4, b"fresh")]
-    for x in (w, w2, w3):
+    for x in (w, w2, w3, wo):
         x.close()
     s.close()
+    other.close()
     s2.close()
 
 
