@@ -175,3 +175,74 @@ def test_column_rejects_non_columns():
         as_column(pd.DataFrame({"a": [1]}))
     with pytest.raises(ValueError, match="1-d"):
         as_column(np.zeros((2, 2), dtype=np.int64))
+
+
+# ------------------------------------------------------------------ encode_rows: Cython kernel and twin
+
+def _kernels():
+    from dstl.state.columns import encode_rows_py
+
+    out = {"python": encode_rows_py}
+    try:
+        from dstl._fast import _statecols
+    except ImportError:
+        return out
+    out["cython"] = _statecols.encode_rows
+    return out
+
+
+def _specs_for(columns):
+    specs = []
+    for c in columns:
+        specs += as_column(c).specs()
+    return specs
+
+
+@pytest.mark.parametrize("impl", list(_kernels()))
+def test_encode_rows_match_msgpack(impl):
+    from dstl.state.columns import as_column as col_of
+
+    fn = _kernels()[impl]
+    rng = np.random.default_rng(9)
+    n = 3000
+    ints = np.concatenate([np.array(INTS, dtype=np.int64), rng.integers(-2**63, 2**63 - 1, n - len(INTS))])
+    floats = rng.normal(size=n) * 1e6
+    strs = [("é" * int(k)) if k % 7 else "x" * int(k) * 40 for k in rng.integers(0, 60, n)]
+    bins = [bytes([k % 256]) * int(k % 300) for k in range(n)]
+    bools = rng.integers(0, 2, n).astype(bool)
+    uints = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2)
+    objs = [None if i % 5 == 0 else [i, str(i)] for i in range(n)]
+    cols = [ints, floats, pa.array(strs), bins, bools, uints, objs]
+    specs = []
+    for c in cols:
+        specs += col_of(c).specs()
+    prefix = b"\x05\x97\x07"
+    data, offsets = fn(prefix, specs, n)
+    assert offsets.dtype == np.int64 and len(offsets) == n + 1
+    pylists = [ints.tolist(), floats.tolist(), strs, bins, bools.tolist(), uints.tolist(), objs]
+    for i in range(0, n, 7):
+        expect = prefix + b"".join(packb(c[i]) for c in pylists)
+        assert bytes(data[offsets[i]:offsets[i + 1]]) == expect, i
+
+
+def test_encode_rows_kernel_and_twin_identical():
+    ks = _kernels()
+    if len(ks) < 2:
+        pytest.skip("the Cython extension is not built")
+    cols = [np.arange(-70000, 70000, 37), [f"k{i}" * (i % 20) for i in range(3784)],
+            np.linspace(-1, 1, 3784)]
+    specs = _specs_for(cols)
+    a = ks["cython"](b"\x01\x93\x00", specs, 3784)
+    b = ks["python"](b"\x01\x93\x00", specs, 3784)
+    assert bytes(a[0]) == bytes(b[0]) and (a[1] == b[1]).all()
+    empty_c, empty_p = ks["cython"](b"", [], 0), ks["python"](b"", [], 0)
+    assert len(empty_c[0]) == len(empty_p[0]) == 0 and list(empty_c[1]) == list(empty_p[1]) == [0]
+
+
+@pytest.mark.parametrize("impl", list(_kernels()))
+def test_encode_rows_rejects_bad_specs(impl):
+    fn = _kernels()[impl]
+    with pytest.raises(ValueError, match="row count"):
+        fn(b"", [("i", np.arange(3, dtype=np.int64))], 4)
+    with pytest.raises(ValueError, match="unknown column spec"):
+        fn(b"", [("q", np.arange(3, dtype=np.int64))], 3)

@@ -16,9 +16,20 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from dstl._impl import IMPLEMENTATION
 from dstl.state.serializers import packb
 
-__all__ = ["Column", "as_column", "pack_column", "concat_rows", "pack_bin_rows"]
+if IMPLEMENTATION == "cython":
+    try:
+        from dstl._fast import _statecols as _kernel
+    except ImportError:  # an older build without this module: the numpy twin below
+        _kernel = None
+else:
+    _kernel = None
+KERNEL = "cython" if _kernel is not None else "python"
+
+__all__ = ["Column", "as_column", "pack_column", "concat_rows", "pack_bin_rows", "encode_rows",
+           "encode_rows_py", "KERNEL"]
 
 _U8 = np.uint8
 _SHORT = 48  # str/bin values up to this many bytes are packed as a matrix
@@ -131,6 +142,10 @@ def _arrow_layout(arr) -> Tuple[np.ndarray, np.ndarray]:
 
 def _pack_arrow_strings(arr, is_str: bool) -> List[Packed]:
     data, offsets = _arrow_layout(arr)
+    return _pack_layout(data, offsets, is_str)
+
+
+def _pack_layout(data: np.ndarray, offsets: np.ndarray, is_str: bool) -> List[Packed]:
     lens = np.diff(offsets)
     if is_str:
         header = _length_headers(lens, 0xA0, (0xD9, 0xDA, 0xDB))
@@ -186,6 +201,25 @@ class Column:
             return self.np[index].tolist()
         vals = self.tolist()
         return [vals[i] for i in index.tolist()]
+
+    def specs(self, convert: Optional[Callable[[Any], Any]] = None) -> List[tuple]:
+        """The column as `encode_rows` specs (see dstl/_fast/_statecols.pyx)."""
+        if convert is None:
+            if self.kind == "int":
+                if self.np.dtype.kind == "u":
+                    return [("u", np.ascontiguousarray(self.np, dtype=np.uint64))]
+                return [("i", np.ascontiguousarray(self.np, dtype=np.int64))]
+            if self.kind == "float":
+                return [("f", np.ascontiguousarray(self.np, dtype=np.float64))]
+            if self.kind == "bool":
+                return [("b", np.ascontiguousarray(self.np, dtype=_U8))]
+            if self.kind in ("str", "bin"):
+                data, offsets = _arrow_layout(self.arrow)
+                return [("s" if self.kind == "str" else "y", data, np.ascontiguousarray(offsets))]
+            rows = pack_bin_rows([packb(x) for x in self.tolist()])
+        else:
+            rows = pack_bin_rows([packb(convert(x)) for x in self.tolist()])
+        return [("r", rows.data, rows.offsets)]
 
     def pack(self, convert: Optional[Callable[[Any], Any]] = None) -> List[Packed]:
         """msgpack pieces of every row. `convert` (e.g. a non-native serializer's dumps, whose
@@ -379,3 +413,39 @@ def concat_rows(parts: Sequence[Union[bytes, Packed]], n: int) -> Tuple[np.ndarr
             out[dst] = r.data[lo:hi]
         pos += ln
     return out, out_offsets
+
+
+def _spec_parts(spec: tuple) -> List[Packed]:
+    kind = spec[0]
+    if kind in ("i", "u"):
+        return [_pack_ints(spec[1])]
+    if kind == "f":
+        return [_pack_floats(spec[1])]
+    if kind == "b":
+        return [_pack_bools(spec[1].astype(bool))]
+    if kind not in ("s", "y", "r"):
+        raise ValueError(f"unknown column spec {kind!r}")
+    data, offsets = np.asarray(spec[1], dtype=_U8), np.asarray(spec[2], dtype=np.int64)
+    if kind in ("s", "y"):
+        return _pack_layout(data, offsets, kind == "s")
+    if kind == "r":
+        return [_Binary(data, offsets)]
+    raise ValueError(f"unknown column spec {kind!r}")
+
+
+def encode_rows_py(prefix: bytes, specs: Sequence[tuple], n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Pure-Python (numpy) twin of `dstl._fast._statecols.encode_rows`: byte-identical output."""
+    parts: List[Union[bytes, Packed]] = [prefix] if prefix else []
+    for spec in specs:
+        if spec[0] in ("i", "u", "f", "b") and len(spec[1]) != n:
+            raise ValueError("column length does not match the row count")
+        parts.extend(_spec_parts(spec))
+    data, offsets = concat_rows(parts, n)
+    return np.ascontiguousarray(data, dtype=_U8), offsets
+
+
+def encode_rows(prefix: bytes, specs: Sequence[tuple], n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """n payloads `prefix + msgpack(spec_1[i]) + ...` as (data, int64 offsets[n+1])."""
+    if _kernel is not None:
+        return _kernel.encode_rows(bytes(prefix), list(specs), n)
+    return encode_rows_py(prefix, specs, n)

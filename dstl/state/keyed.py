@@ -32,7 +32,7 @@ import numpy as np
 from dstl.errors import CorruptChangelogError
 from dstl.keygroups import assign_key_groups, assign_to_key_group
 from dstl.state import changes as C
-from dstl.state.columns import Column, as_column, concat_rows, pack_bin_rows
+from dstl.state.columns import Column, as_column, encode_rows, pack_bin_rows
 from dstl.state.serializers import get_serializer, resolve_serializer, unpackb
 from dstl.types import KeyGroupRange
 
@@ -207,10 +207,10 @@ class _State:
         self._b._check_kgs(kgs, col)
         return col, kgs
 
-    def _bulk_append(self, op: int, kgs: np.ndarray, key_col: Column, value_parts: List[Any],
+    def _bulk_append(self, op: int, kgs: np.ndarray, key_col: Column, value_specs: List[tuple],
                      num_fields: int) -> None:
-        parts = [C.row_prefix(op, num_fields, self._sid)] + key_col.pack() + value_parts
-        data, offsets = concat_rows(parts, key_col.n)
+        data, offsets = encode_rows(C.row_prefix(op, num_fields, self._sid), key_col.specs() + value_specs,
+                                    key_col.n)
         self._b._append_many(kgs, data, offsets)
 
     def _groups(self, kgs: np.ndarray) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
@@ -292,7 +292,7 @@ class ValueState(_State):
                     self._table(kg)[k] = v
             self._b._mutated(n)
             return
-        self._bulk_append(C.SET, kgs, kcol, vcol.pack(self._convert()), 3)
+        self._bulk_append(C.SET, kgs, kcol, vcol.specs(self._convert()), 3)
         order, runs = self._groups(kgs)
         keys_l = kcol.take(order)
         vals_l = vcol.take(order)
@@ -382,7 +382,7 @@ class ListState(_State):
         n = kcol.n
         if n == 0:
             return
-        self._bulk_append(C.ADD_ELEMENT, kgs, kcol, vcol.pack(self._convert()), 3)
+        self._bulk_append(C.ADD_ELEMENT, kgs, kcol, vcol.specs(self._convert()), 3)
         order, runs = self._groups(kgs)
         keys_l = kcol.take(order)
         vals_l = vcol.take(order)
@@ -521,7 +521,7 @@ class MapState(_State):
         if ucol.kind == "object":
             for uk in ucol.tolist():
                 _check_user_key(uk)
-        self._bulk_append(C.ADD_OR_UPDATE_ELEMENT, kgs, kcol, ucol.pack() + vcol.pack(self._convert()), 4)
+        self._bulk_append(C.ADD_OR_UPDATE_ELEMENT, kgs, kcol, ucol.specs() + vcol.specs(self._convert()), 4)
         order, runs = self._groups(kgs)
         keys_l = kcol.take(order)
         uks_l = ucol.take(order)
@@ -609,7 +609,7 @@ class ReducingState(ValueState):
         ukgs = np.fromiter((kg_of[k] for k in ukeys), dtype=np.int32, count=len(ukeys))
         kc = as_column(ukeys)
         vc = as_column([acc[k] for k in ukeys])
-        self._bulk_append(C.SET_INTERNAL, ukgs, kc, vc.pack(self._convert()), 3)
+        self._bulk_append(C.SET_INTERNAL, ukgs, kc, vc.specs(self._convert()), 3)
         for k, kg in zip(ukeys, ukgs.tolist()):
             self._table(kg)[k] = acc[k]
         self._b._mutated(len(ukeys))
