@@ -32,7 +32,7 @@ _EXPORTS: Dict[str, str] = {
     "StateChangeUploadScheduler": "dstl.upload.scheduler",
     "BatchingStateChangeUploadScheduler": "dstl.upload.scheduler",
     "UploadTask": "dstl.upload.task", "UploadResult": "dstl.upload.task",
-    "UploadTasksResult": "dstl.upload.task",
+    "UploadTasksResult": "dstl.upload.task", "AvailabilityProvider": "dstl.upload.throttle",
     "StateChangeUploader": "dstl.upload.uploader", "StateChangeFsUploader": "dstl.upload.uploader",
     "RetryPolicy": "dstl.upload.retry", "RetryingExecutor": "dstl.upload.retry",
     # key groups and state
