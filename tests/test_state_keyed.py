@@ -443,3 +443,26 @@ def test_closed_backend_rejects_mutations(storage):
         v.update("a", 1)
     with pytest.raises(RuntimeError, match="closed"):
         b.snapshot(1)
+
+
+@pytest.mark.s3
+def test_state_on_s3_rescale_with_materialization(s3_bucket):
+    with open_storage(f"{s3_bucket}/changelog", batch_persist_delay="5 ms") as st:
+        olds = [KeyedStateBackend(st, "op", kg_range(MAXP, 2, i), MAXP) for i in range(2)]
+        model = {}
+        keys = pd.Series([f"user-{i}" for i in range(3000)])
+        for b in olds:
+            kgs = np.array([assign_to_key_group(k, MAXP) for k in keys])
+            mine = keys[(kgs >= b.key_group_range.start) & (kgs <= b.key_group_range.end)]
+            b.value_state("v").update_many(mine, np.arange(len(mine)))
+            model.update(zip(mine.tolist(), range(len(mine))))
+        olds[1].materialize()
+        late = next(f"late-{i}" for i in range(100) if assign_to_key_group(f"late-{i}", MAXP) >= 64)
+        olds[1].value_state("v").update(late, -1)   # the tail after the materialization
+        model[late] = -1
+        snaps = [b.snapshot(1).result(timeout=60) for b in olds]
+        assert all(f.startswith("s3://") for s in snaps for f in s.files())
+        news = [restore(st, snaps, 3, i) for i in range(3)]
+        assert union(news)["v"] == model
+        for b in olds + news:
+            b.close()
