@@ -35,6 +35,18 @@ class _Listener:
         self.checkpointed_size = 0
 
 
+def _key_group_int(key_group) -> int:
+    if isinstance(key_group, bool) or not hasattr(key_group, "__index__"):
+        raise TypeError(f"key_group must be an int, got {type(key_group).__name__}")
+    return key_group.__index__()
+
+
+def _checkpoint_int(checkpoint_id) -> int:
+    if isinstance(checkpoint_id, bool) or not hasattr(checkpoint_id, "__index__"):
+        raise TypeError(f"checkpoint_id must be an int, got {type(checkpoint_id).__name__}")
+    return checkpoint_id.__index__()
+
+
 def _as_os_error(exc: BaseException) -> OSError:
     if isinstance(exc, OSError):
         return exc
@@ -107,6 +119,8 @@ class FsStateChangelogWriter:
         task = None
         with self._lock:
             self._check_open()
+            if type(key_group) is not int:
+                key_group = _key_group_int(key_group)
             if not (self._kg_start <= key_group <= self._kg_end):
                 raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
             self._buffer.append(key_group, data)
@@ -160,9 +174,10 @@ class FsStateChangelogWriter:
     def persist(self, from_sqn, checkpoint_id: int) -> Future:
         """Upload every change set at or after `from_sqn`; Future of a `SnapshotResult` (SEMANTICS.md §5)."""
         start = int(as_sqn(from_sqn))
+        checkpoint_id = _checkpoint_int(checkpoint_id)
         with self._lock:
             self._check_open()
-            future, task = self._persist_locked(start, int(checkpoint_id))
+            future, task = self._persist_locked(start, checkpoint_id)
         if task is not None:
             self._scheduler.upload(task)
         return future
@@ -319,12 +334,12 @@ class FsStateChangelogWriter:
             self._registry.stop_tracking(r.stream_handle)
             if r.local_stream_handle is not None:
                 self._registry.stop_tracking(r.local_stream_handle)
-        self._local_registry.discard_up_to_checkpoint(int(checkpoint_id))
+        self._local_registry.discard_up_to_checkpoint(_checkpoint_int(checkpoint_id))
 
     def reset(self, from_sqn, to_sqn, checkpoint_id: int) -> None:
         """Checkpoint `checkpoint_id` was aborted: drop its local copies; uploads stay reusable."""
         as_sqn(from_sqn), as_sqn(to_sqn)  # validates the arguments
-        self._local_registry.discard_up_to_checkpoint(int(checkpoint_id) + 1)
+        self._local_registry.discard_up_to_checkpoint(_checkpoint_int(checkpoint_id) + 1)
 
     def close(self) -> None:
         """Close the writer; pending persist futures fail with WriterClosedError. Idempotent."""

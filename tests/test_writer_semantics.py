@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
@@ -416,3 +417,35 @@ def test_concurrent_writers_and_persists(make_storage):
     for i in range(4):
         got = read_all(s, handles[i])
         assert sorted(got) == sorted((i * 10 + j % 10, b"%d-%d" % (i, j)) for j in range(20))
+
+
+def test_bad_argument_types(make_storage):
+    s = make_storage()
+    w = s.create_writer("op", KGR)
+    with pytest.raises(TypeError):
+        w.append("3", b"x")
+    with pytest.raises(TypeError):
+        w.append(1.0, b"x")
+    with pytest.raises(TypeError):
+        w.append(True, b"x")
+    with pytest.raises(TypeError):
+        w.persist(0, "1")
+    with pytest.raises(ValueError):
+        w.persist(-1, 1)
+    with pytest.raises(TypeError):
+        s.create_writer("op", (0, 5))
+    w.append(np.int64(3), b"x")  # numpy integers are fine
+    assert read_all(s, result(w.persist(0, 1))) == [(3, b"x")]
+
+
+def test_persist_after_storage_close_fails_instead_of_hanging(make_storage):
+    s = make_storage()
+    w = s.create_writer("op", KGR)
+    w.append(0, b"a")
+    s.close()
+    try:
+        f = w.persist(0, 1)
+    except (OSError, RuntimeError, CancelledError):
+        return
+    assert isinstance(f.exception(T), (OSError, RuntimeError, CancelledError))
+    assert files_of(s) == []

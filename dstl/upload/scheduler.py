@@ -61,8 +61,12 @@ class DirectUploadScheduler(StateChangeUploadScheduler):
 
     def __init__(self, uploader):
         self.uploader = uploader
+        self._closed = False
 
     def upload(self, task: UploadTask) -> None:
+        if self._closed:
+            task.fail(CancelledError("the upload scheduler is closed"))
+            return
         try:
             result = self.uploader.upload([task])
         except Exception as exc:
@@ -74,7 +78,9 @@ class DirectUploadScheduler(StateChangeUploadScheduler):
         result.complete()
 
     def close(self) -> None:
-        self.uploader.close()
+        if not self._closed:
+            self._closed = True
+            self.uploader.close()
 
     def __repr__(self) -> str:
         return f"DirectUploadScheduler({self.uploader!r})"
