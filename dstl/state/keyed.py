@@ -137,6 +137,9 @@ class _State:
         self._sid = meta.state_id
         self.serializer = serializer
         self._native = bool(getattr(serializer, "native", False))
+        # replay may store SET/SET_INTERNAL bodies directly (see KeyedStateBackend._replay_handle)
+        self._fast_ops = frozenset() if not self._native else {
+            "value": frozenset((C.SET,)), "reducing": frozenset((C.SET, C.SET_INTERNAL))}.get(self.kind, frozenset())
 
     # value <-> what goes into a change body
     def _w(self, v: Any) -> Any:
@@ -938,6 +941,8 @@ class KeyedStateBackend:
         stats["handles"] += 1
         META, KG_SNAPSHOT, names = C.METADATA, C.KEY_GROUP_SNAPSHOT, C.OP_NAMES
         applied = meta_changes = 0
+        cur_kg: Optional[int] = None    # key group whose per-state tables are cached in `cur`
+        cur: Dict[Any, dict] = {}
         it = reader.get_changes_arrays(handle)
         try:
             for buf, kgs, offs, lens in it:
@@ -962,6 +967,7 @@ class KeyedStateBackend:
                         continue
                     applied += 1
                     if op == KG_SNAPSHOT:
+                        cur_kg = None
                         self._apply_kg_snapshot(kg, body, local)
                         continue
                     try:
@@ -970,6 +976,16 @@ class KeyedStateBackend:
                         raise CorruptChangelogError(
                             f"{names[op]} change refers to state id {body[0] if body else None!r} "
                             f"without a preceding METADATA change", off) from None
+                    if op in state._fast_ops:
+                        # hot path (value/reducing state, msgpack values): no method calls per change
+                        if kg != cur_kg:
+                            cur_kg, cur = kg, {}
+                        tbl = cur.get(state)
+                        if tbl is None:
+                            tbl = cur[state] = state._table(kg)
+                        tbl[body[1]] = body[2]
+                        continue
+                    cur_kg = None  # other ops may create/replace per-key-group tables
                     state._apply(op, kg, body)
         finally:
             it.close()
