@@ -74,7 +74,7 @@ def test_operator_matches_reference_in_memory():
     out = pd.concat(outs, ignore_index=True)
     assert compare_output(out, expected_out) == []
     actual = {u: {"events": c, "amount_cents": state.value_state("amount_cents").get(u),
-                  "distinct_items": state.value_state("distinct_items").get(u),
+                  "distinct_items": state.map_state("items").size(u),
                   "last_items": state.list_state("last_items").get(u),
                   "items": dict(state.map_state("items").items(u))}
               for u, c in state.value_state("count").items()}

@@ -1,10 +1,11 @@
 """The pipeline's stateful operator (per-user activity) and its plain-pandas reference.
 
-State per user: event count and amount sum (ValueState), distinct items (MapState item -> batch
-first seen, plus its size in a ValueState), the last 10 items (ListState). Each call receives all of
+State per user: event count and amount sum (ValueState), distinct items (MapState item -> the
+last batch the user bought it in; its size is the distinct count), the last 10 items (ListState with
+max_length 10). Each call receives all of
 one subtask's events of one micro-batch, ordered by (ts, event_id), and emits one update row per user
-it saw. Work per call is vectorised with pandas; state is touched once per user and once per new
-(user, item) pair, so the change count is independent of how many events a user had in the batch.
+it saw. Work per call is vectorised with pandas and the bulk state methods: one change per user for
+each value state, one per distinct (user, item) pair, and at most 10 list appends per user.
 """
 from __future__ import annotations
 
@@ -26,65 +27,48 @@ def output_ddl(user_type: str = "long", item_type: str = "long") -> str:
 
 
 def user_activity(rows, state):
-    """`fn(rows, state)` for `stateful_map_in_pandas`: update and emit per-user aggregates."""
+    """`fn(rows, state)` for `stateful_map_in_pandas`: update and emit per-user aggregates.
+
+    Uses the bulk state methods (one vectorised encode + one writer append per state and call).
+    """
     import pandas as pd
 
     count = state.value_state("count")
     amount = state.value_state("amount_cents")
-    n_items = state.value_state("distinct_items")
     items = state.map_state("items")
-    last = state.list_state("last_items")
+    last = state.list_state("last_items", max_length=LAST_N)
 
     batch = int(rows["batch"].iat[0])
     grouped = rows.groupby("user_id", sort=True)
     sizes = grouped.size()
-    users = sizes.index.tolist()
-    sums = grouped["amount_cents"].sum().tolist()
-    last_ts = grouped["ts"].max().tolist()
-    tails = rows.groupby("user_id", sort=True).tail(LAST_N).groupby("user_id", sort=True)["item_id"].agg(list)
-
-    new_items: Dict[Any, int] = {}
-    pairs = rows.drop_duplicates(["user_id", "item_id"])
-    for user, item in zip(pairs["user_id"].tolist(), pairs["item_id"].tolist()):
-        if not items.contains(user, item):
-            items.put(user, item, batch)
-            new_items[user] = new_items.get(user, 0) + 1
-
-    out_events: List[int] = []
-    out_amount: List[int] = []
-    out_distinct: List[int] = []
-    out_last: List[list] = []
-    for user, n, s, tail in zip(users, sizes.tolist(), sums, tails.tolist()):
-        c = count.get(user, 0) + n
-        count.update(user, c)
-        a = amount.get(user, 0) + s
-        amount.update(user, a)
-        d = n_items.get(user, 0)
-        if user in new_items:
-            d += new_items[user]
-            n_items.update(user, d)
-        recent = (last.get(user) or []) + tail
-        recent = recent[-LAST_N:]
-        last.update(user, recent)
-        out_events.append(c)
-        out_amount.append(a)
-        out_distinct.append(d)
-        out_last.append(recent)
-    return pd.DataFrame({"batch": batch, "user_id": users, "events": out_events, "amount_cents": out_amount,
-                         "distinct_items": out_distinct, "last_items": out_last, "last_ts": last_ts})
+    users = sizes.index
+    new_count = np.asarray(count.get_many(users, 0), dtype=np.int64) + sizes.to_numpy()
+    count.update_many(users, new_count)
+    new_amount = np.asarray(amount.get_many(users, 0), dtype=np.int64) + grouped["amount_cents"].sum().to_numpy()
+    amount.update_many(users, new_amount)
+    # item -> last batch the user bought it in: one unconditional put per distinct (user, item)
+    pairs = rows.drop_duplicates(["user_id", "item_id"], keep="last")
+    items.put_many(pairs["user_id"], pairs["item_id"], np.full(len(pairs), batch, dtype=np.int64))
+    tail = rows.groupby("user_id", sort=False).tail(LAST_N)
+    last.add_many(tail["user_id"], tail["item_id"])
+    users_l = users.tolist()
+    return pd.DataFrame({"batch": batch, "user_id": users, "events": new_count, "amount_cents": new_amount,
+                         "distinct_items": [items.size(u) for u in users_l],
+                         "last_items": [last.get(u) for u in users_l],
+                         "last_ts": grouped["ts"].max().to_numpy()})
 
 
 def read_state(backend) -> Dict[Any, Dict[str, Any]]:
     """Every user's state held by `backend`: {user: {events, amount_cents, distinct_items, last_items, items}}."""
     count = backend.value_state("count")
     amount = backend.value_state("amount_cents")
-    n_items = backend.value_state("distinct_items")
     items = backend.map_state("items")
-    last = backend.list_state("last_items")
+    last = backend.list_state("last_items", max_length=LAST_N)
     out = {}
     for user, c in count.items():
-        out[user] = {"events": c, "amount_cents": amount.get(user, 0), "distinct_items": n_items.get(user, 0),
-                     "last_items": list(last.get(user) or []), "items": dict(items.items(user))}
+        m = dict(items.items(user))
+        out[user] = {"events": c, "amount_cents": amount.get(user, 0), "distinct_items": len(m),
+                     "last_items": list(last.get(user) or []), "items": m}
     return out
 
 
@@ -97,31 +81,67 @@ class _MemValue:
     def get(self, key, default=None):
         return self.d.get(key, default)
 
+    def get_many(self, keys, default=None):
+        d = self.d
+        return [d.get(k, default) for k in _as_list(keys)]
+
     def update(self, key, value):
         self.d[key] = value
+
+    def update_many(self, keys, values):
+        self.d.update(zip(_as_list(keys), _as_list(values)))
 
     def items(self):
         return self.d.items()
 
 
-class _MemList(_MemValue):
-    def get(self, key, default=None):
-        return self.d.get(key, [] if default is None else default)
+class _MemList:
+    def __init__(self, max_length=None):
+        self.d: Dict[Any, list] = {}
+        self.max_length = max_length
+
+    def get(self, key):
+        return list(self.d.get(key, ()))
+
+    def add_many(self, keys, values):
+        d, m = self.d, self.max_length
+        touched = set()
+        for k, v in zip(_as_list(keys), _as_list(values)):
+            lst = d.get(k)
+            if lst is None:
+                d[k] = [v]
+            else:
+                lst.append(v)
+            touched.add(k)
+        if m is not None:
+            for k in touched:
+                lst = d[k]
+                if len(lst) > m:
+                    del lst[:len(lst) - m]
 
 
 class _MemMap:
     def __init__(self):
         self.d: Dict[Any, Dict[Any, Any]] = {}
 
-    def contains(self, key, user_key) -> bool:
-        m = self.d.get(key)
-        return m is not None and user_key in m
+    def put_many(self, keys, user_keys, values):
+        d = self.d
+        for k, uk, v in zip(_as_list(keys), _as_list(user_keys), _as_list(values)):
+            m = d.get(k)
+            if m is None:
+                d[k] = {uk: v}
+            else:
+                m[uk] = v
 
-    def put(self, key, user_key, value):
-        self.d.setdefault(key, {})[user_key] = value
+    def size(self, key) -> int:
+        return len(self.d.get(key, ()))
 
     def items(self, key):
         return self.d.get(key, {}).items()
+
+
+def _as_list(col) -> list:
+    return col.tolist() if hasattr(col, "tolist") else list(col)
 
 
 class MemoryState:
@@ -139,8 +159,8 @@ class MemoryState:
     def value_state(self, name):
         return self._get("value", name, _MemValue)
 
-    def list_state(self, name):
-        return self._get("list", name, _MemList)
+    def list_state(self, name, max_length=None):
+        return self._get("list", name, lambda: _MemList(max_length))
 
     def map_state(self, name):
         return self._get("map", name, _MemMap)
@@ -158,6 +178,7 @@ def reference(events) -> Tuple[Dict[Any, Dict[str, Any]], "Any"]:
     per["events"] = per.groupby("user_id")["n"].cumsum()
     per["amount_cents"] = per.groupby("user_id")["s"].cumsum()
     first = e.drop_duplicates(["user_id", "item_id"])
+    latest = e.drop_duplicates(["user_id", "item_id"], keep="last")
     new = first.groupby(["user_id", "batch"]).size().rename("new").reset_index()
     per = per.merge(new, on=["user_id", "batch"], how="left")
     per["new"] = per["new"].fillna(0).astype(np.int64)
@@ -169,12 +190,12 @@ def reference(events) -> Tuple[Dict[Any, Dict[str, Any]], "Any"]:
                          for (u, _b), p in zip(lastpos.index.tolist(), lastpos.tolist())]
     out = per[OUTPUT_COLUMNS].sort_values(["batch", "user_id"], ignore_index=True)
     final_rows = per.sort_values(["user_id", "batch"]).groupby("user_id").tail(1)
-    firsts = {u: dict(zip(g["item_id"].tolist(), g["batch"].tolist())) for u, g in first.groupby("user_id")}
+    lasts = {u: dict(zip(g["item_id"].tolist(), g["batch"].tolist())) for u, g in latest.groupby("user_id")}
     state = {}
     for row in final_rows.itertuples(index=False):
         state[row.user_id] = {"events": int(row.events), "amount_cents": int(row.amount_cents),
                               "distinct_items": int(row.distinct_items), "last_items": list(row.last_items),
-                              "items": firsts[row.user_id]}
+                              "items": lasts[row.user_id]}
     return state, out
 
 
