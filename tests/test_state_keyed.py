@@ -466,3 +466,40 @@ def test_state_on_s3_rescale_with_materialization(s3_bucket):
         assert union(news)["v"] == model
         for b in olds + news:
             b.close()
+
+
+def _raw_snapshot(storage, changes):
+    """A snapshot over hand-written changes (kg, payload), through a real writer."""
+    w = storage.create_writer("raw", FULL)
+    for kg, payload in changes:
+        if kg < 0:
+            w.append_meta(payload)
+        else:
+            w.append(kg, payload)
+    h = w.persist(w.initial_sequence_number(), 1).result().job_manager_owned_snapshot
+    w.close()
+    return KeyedStateSnapshot(FULL, [], h, MAXP)
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"\x07\x92\x00\x01", "unknown state change operation code 7"),
+    (b"\x01\xc1", "undecodable SET"),
+    (b"", "empty state change payload"),
+    (C.encode(C.SET, [5, 1, 2]), "state id 5 without a preceding METADATA"),
+    (C.encode(C.ADD_ELEMENT, [0, 1, 2]), "not a ValueState operation"),
+])
+def test_corrupt_changes_are_reported(storage, payload, message):
+    from dstl.errors import CorruptChangelogError
+
+    meta = C.encode_meta(C.StateMeta(0, "v", "value", "msgpack"))
+    snap = _raw_snapshot(storage, [(-1, meta), (assign_to_key_group(1, MAXP), payload)])
+    with pytest.raises(CorruptChangelogError, match=message):
+        restore(storage, [snap])
+
+
+def test_metadata_applied_twice_is_harmless(storage):
+    meta = C.encode_meta(C.StateMeta(0, "v", "value", "msgpack"))
+    kg = assign_to_key_group(1, MAXP)
+    snap = _raw_snapshot(storage, [(-1, meta), (-1, meta), (kg, C.encode(C.SET, [0, 1, "a"]))])
+    r = restore(storage, [snap, snap])   # the same handle twice: metadata and data replayed twice
+    assert dump(r) == {"v": {1: "a"}}
