@@ -127,7 +127,7 @@ class FsStateChangelogWriter:
             if self._buffer.size >= self._threshold:
                 task = self._preemptive_locked()
         if task is not None:
-            self._scheduler.upload(task)
+            self._submit(task)
 
     def append_meta(self, data) -> None:
         """Add one metadata change (key group -1; read back by every subtask on restore)."""
@@ -138,7 +138,7 @@ class FsStateChangelogWriter:
             if self._buffer.size >= self._threshold:
                 task = self._preemptive_locked()
         if task is not None:
-            self._scheduler.upload(task)
+            self._submit(task)
 
     def append_many(self, key_groups, data, offsets) -> None:
         """Add many data changes at once (Arrow binary layout), all or nothing.
@@ -163,7 +163,16 @@ class FsStateChangelogWriter:
             if self._buffer.size >= self._threshold:
                 task = self._preemptive_locked()
         if task is not None:
+            self._submit(task)
+
+    def _submit(self, task: UploadTask) -> None:
+        """Hand `task` to the scheduler (never under the lock). If the scheduler raises, the task fails
+        too, so no persist waits forever for change sets that never left."""
+        try:
             self._scheduler.upload(task)
+        except BaseException as exc:
+            task.fail(exc)
+            raise
 
     def _preemptive_locked(self) -> Optional[UploadTask]:
         start = min(self._not_uploaded) if self._not_uploaded else self._active
@@ -179,7 +188,7 @@ class FsStateChangelogWriter:
             self._check_open()
             future, task = self._persist_locked(start, checkpoint_id)
         if task is not None:
-            self._scheduler.upload(task)
+            self._submit(task)
         return future
 
     def _persist_locked(self, start: int, checkpoint_id: int) -> Tuple[Future, Optional[UploadTask]]:

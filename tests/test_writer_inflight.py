@@ -196,3 +196,22 @@ def test_cancelled_upload_fails_the_persist(rig):
     sched.fail(CancelledError("scheduler closed"))
     exc = f.exception(T)
     assert isinstance(exc, OSError) and isinstance(exc.__cause__, CancelledError)
+
+
+class _BrokenScheduler(StateChangeUploadScheduler):
+    """A scheduler that raises without settling the task (e.g. a dead service connection)."""
+
+    def upload(self, task):
+        raise RuntimeError("scheduler is broken")
+
+
+def test_scheduler_raising_fails_the_task_so_nothing_hangs():
+    registry = TaskChangelogRegistry()
+    w = FsStateChangelogWriter(uuid.UUID(int=3), KGR, _BrokenScheduler(), registry,
+                               LocalChangelogRegistry.NO_OP, preemptive_persist_threshold=1 << 20)
+    w.append(0, b"a")
+    with pytest.raises(RuntimeError, match="broken"):
+        w.persist(0, 1)
+    with pytest.raises(OSError, match="already failed"):
+        w.persist(0, 2)
+    registry.close()
