@@ -12,6 +12,7 @@ cut out with one boolean mask, which keeps row order because numpy masks row-maj
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -200,7 +201,10 @@ class Column:
         if self.np is not None:
             return self.np[index].tolist()
         vals = self.tolist()
-        return [vals[i] for i in index.tolist()]
+        idx = index.tolist()
+        if len(idx) < 2:
+            return [vals[i] for i in idx]
+        return list(itemgetter(*idx)(vals))  # one C-level loop
 
     def specs(self, convert: Optional[Callable[[Any], Any]] = None) -> List[tuple]:
         """The column as `encode_rows` specs (see dstl/_fast/_statecols.pyx)."""
@@ -320,20 +324,21 @@ def as_column(values) -> Column:
 def _objects(objs: list, source) -> Column:
     """A Python list: typed fast paths when every element has the same plain type."""
     if objs:
-        t0 = type(objs[0])
-        if t0 in (str, bytes) and all(type(x) is t0 for x in objs):
+        types = set(map(type, objs))
+        t0 = type(objs[0]) if len(types) == 1 else None
+        if t0 in (str, bytes):
             import pyarrow as pa
 
             arr = pa.array(objs, type=pa.large_string() if t0 is str else pa.large_binary())
             return Column(len(objs), "str" if t0 is str else "bin", arrow=arr, objects=objs, source=source)
-        if t0 is int and all(type(x) is int for x in objs):
+        if t0 is int:
             try:
                 arr = np.array(objs, dtype=np.int64)
             except OverflowError:
                 arr = None
             if arr is not None:
                 return Column(len(objs), "int", np_values=arr, objects=objs, source=source)
-        if t0 is float and all(type(x) is float for x in objs):
+        if t0 is float:
             return Column(len(objs), "float", np_values=np.array(objs, dtype=np.float64), objects=objs,
                           source=source)
     return Column(len(objs), "object", objects=objs, source=source)
