@@ -247,7 +247,11 @@ def test_update_many_duplicates_none_and_objects(storage):
     v.update_many(["a", "b", "a", "c"], [1, 2, 3, None])    # later rows win; None clears
     v.update_many(pd.Series(["x", "y"]), pd.Series([[1, 2], {"k": "v"}]))
     v.update_many([], [])
-    assert spy.calls["append_many"] == 2
+    v.update_many(["z"], [[[1, 2], [3, 4]]])          # one row, a nested list value
+    v.update_many(["w", "q"], [[1, 2], [3, 4]])       # equal-length lists stay row values
+    assert v.get("z") == [[1, 2], [3, 4]] and v.get("w") == [1, 2] and v.get("q") == [3, 4]
+    v.clear("z"); v.clear("w"); v.clear("q")
+    assert spy.calls["append_many"] == 4
     assert dict(v.items()) == {"a": 3, "b": 2, "x": [1, 2], "y": {"k": "v"}}
     assert dump(restore(storage, [b.snapshot(1).result()])) == dump(b)
     with pytest.raises(ValueError, match="differ in length"):
