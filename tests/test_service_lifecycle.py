@@ -201,3 +201,79 @@ def test_service_config_file_and_bad_runtime_dir(runtime, tmp_path):
     finally:
         os.environ["DSTL_RUNTIME_DIR"] = runtime.root
         shutil.rmtree(long_dir, ignore_errors=True)
+
+
+def _task(sets):
+    from concurrent.futures import Future
+
+    from dstl.upload.task import UploadTask
+
+    f = Future()
+    return UploadTask(sets, f.set_result, lambda sqns, exc: f.set_exception(exc)), f
+
+
+def _sealed(kg: int, data: bytes, sqn: int = 0, log_id=None):
+    from dstl.format import ChangeBuffer
+    from dstl.types import SealedChangeSet
+
+    b = ChangeBuffer()
+    b.append(kg, data)
+    return SealedChangeSet(log_id or uuid.uuid4(), sqn, b.seal(), len(data), 1)
+
+
+def test_open_service_client_with_local_recovery_writes_and_tracks_both_copies(runtime, tmp_path):
+    from dstl.config import StorageConfig
+    from dstl.metrics import ChangelogStorageMetricGroup
+    from dstl.upload.service import open_service_client
+
+    cfg = StorageConfig(str(tmp_path / "base"), upload_mode="process")
+    metrics = ChangelogStorageMetricGroup()
+    sched, reg = open_service_client(cfg, uuid.uuid4().hex, metrics, local_recovery_dir=str(tmp_path / "local"))
+    runtime.remember(sched.service_pid)
+    log = uuid.uuid4()
+    task, fut = _task([_sealed(3, b"hello", 1, log), _sealed(4, b"world!", 0, log)])
+    sched.upload(task)
+    results = fut.result(20)
+    assert [(int(r.sequence_number), r.size) for r in results] == [(0, 6), (1, 5)]  # sorted by (log id, sqn)
+    r = results[0]
+    assert r.local_stream_handle is not None and r.offset == r.local_offset
+    with open(r.stream_handle.path, "rb") as a, open(r.local_stream_handle.path, "rb") as b:
+        assert a.read() == b.read()
+    assert reg.ref_count(r.stream_handle) == 2 and reg.ref_count(r.local_stream_handle) == 2
+    for h in (r.stream_handle, r.local_stream_handle):
+        reg.release(h)
+        reg.release(h)
+    assert reg.wait_for_deletions(20)
+    assert not os.path.exists(r.stream_handle.path) and not os.path.exists(r.local_stream_handle.path)
+    snap = metrics.snapshot()
+    assert snap["ChangelogStorage.numberOfUploadRequests"] == 1
+    assert snap["ChangelogStorage.uploadSizes"]["max"] == 4 + 8 + 4 + 5 + 4 + 8 + 4 + 6
+    sched.close()
+    reg.close()
+
+
+def test_upload_failures_come_back_to_the_task_and_closed_scheduler_cancels(runtime, tmp_path):
+    from concurrent.futures import CancelledError
+
+    from dstl.config import StorageConfig
+    from dstl.metrics import ChangelogStorageMetricGroup
+    from dstl.upload.service import open_service_client
+
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("a file where the base directory should be")
+    cfg = StorageConfig(str(blocker), upload_mode="process", retry_policy="none")
+    metrics = ChangelogStorageMetricGroup()
+    sched, reg = open_service_client(cfg, uuid.uuid4().hex, metrics)
+    runtime.remember(sched.service_pid)
+    task, fut = _task([_sealed(1, b"x")])
+    sched.upload(task)
+    with pytest.raises(OSError):
+        fut.result(20)
+    assert metrics.snapshot()["ChangelogStorage.numberOfUploadFailures"] == 1
+    sched.close()
+    task2, fut2 = _task([_sealed(1, b"y")])
+    sched.upload(task2)
+    with pytest.raises(CancelledError):
+        fut2.result(5)
+    reg.close()
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(sched.connection.prefix)] == []
