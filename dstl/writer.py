@@ -304,9 +304,13 @@ class FsStateChangelogWriter:
             fut.set_exception(err)
 
     def _release(self, r: UploadResult) -> None:
-        self._registry.release(r.stream_handle)
-        if r.local_stream_handle is not None:
-            self._registry.release(r.local_stream_handle)
+        for h in (r.stream_handle, r.local_stream_handle):
+            if h is None:
+                continue
+            try:
+                self._registry.release(h)
+            except Exception:  # a registry problem must not stop futures from settling
+                log.exception("writer %s: could not release %s", self.log_id, h)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def truncate(self, to_sqn) -> None:

@@ -105,8 +105,16 @@ class _BatchUploadAction:
         result.discard()
 
     def handle_failure(self, exc: BaseException) -> None:
-        for t in self.tasks:
+        _fail_all(self.tasks, exc)
+
+
+def _fail_all(tasks, exc: BaseException) -> None:
+    """Fail every task; a failing callback must not keep the other tasks waiting."""
+    for t in tasks:
+        try:
             t.fail(exc)
+        except Exception:
+            log.exception("failure callback of %r failed", t)
 
 
 class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
@@ -232,8 +240,7 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
         if not tasks:
             return
         if error is not None:
-            for t in tasks:
-                t.fail(error)
+            _fail_all(tasks, error)
             return
         if self.metrics is not None:
             self.metrics.upload_batch_sizes.update(len(tasks))
@@ -243,8 +250,7 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
             if not isinstance(exc, OSError):
                 self._error = exc
                 log.error("upload hand-off failed; failing every later upload", exc_info=True)
-            for t in tasks:
-                t.fail(exc)
+            _fail_all(tasks, exc)
 
     # -- close ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -261,9 +267,7 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
             tasks, self._queue = self._queue, []
             self._queued_bytes = 0
         self._throttle.close()
-        cancelled = CancelledError("the upload scheduler was closed before the upload started")
-        for t in tasks:
-            t.fail(cancelled)
+        _fail_all(tasks, CancelledError("the upload scheduler was closed before the upload started"))
         try:
             self.executor.close(wait=True)
         finally:

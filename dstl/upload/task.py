@@ -99,7 +99,10 @@ class UploadTasksResult:
     def complete(self) -> None:
         """Deliver each task its results (the winning attempt)."""
         for i, (task, _) in enumerate(self.tasks_offsets):
-            task.complete(self.results_for(i))
+            try:
+                task.complete(self.results_for(i))
+            except Exception:  # one failing callback must not keep the other tasks waiting
+                log.exception("completion callback of %r failed", task)
 
     def discard(self) -> None:
         """A losing attempt: forget both registry entries and delete both files."""
