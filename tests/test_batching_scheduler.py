@@ -213,3 +213,20 @@ def test_concurrent_uploads_all_settle(parts):
     assert sink.failures == [] and s.in_flight_bytes() == 0
     seen = sorted((r.stream_handle.path, r.offset) for rs in sink.results for r in rs)
     assert len(set(seen)) == 100  # every change set at its own place
+
+
+def test_a_failing_callback_does_not_block_the_rest_of_the_batch(parts):
+    from dstl.upload.task import UploadTask
+
+    scheduler, _, _ = parts
+    s = scheduler(delay_ms=60_000)
+    sink = Sink()
+
+    def explode(results):
+        raise RuntimeError("callback bug")
+
+    s.upload(UploadTask([sealed(0, 0, [(0, b"a")])], explode, explode))
+    s.upload(sink.task(sealed(1, 0, [(0, b"b")])))
+    s.flush()
+    wait_until(lambda: len(sink.results) == 1, T, "the second task")
+    wait_until(lambda: s.in_flight_bytes() == 0, T, "capacity released for both tasks")
