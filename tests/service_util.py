@@ -3,7 +3,8 @@ file system whose writes can be held from another process.
 
 `gatefs` (protocol ``gate``, URLs ``gate:///abs/path``) is a local filesystem for cross-process fault
 injection: while the file ``<root>/.gate`` exists, every write-open of a changelog file first creates
-``<root>/.held-<pid>`` and waits (at most 30 s) until ``.gate`` is removed. The service's uploader
+``<root>/.held-<pid>`` and waits (at most 30 s) until ``.gate`` is removed. ``<root>/.gate-once``
+holds only the first write-open, which renames it to ``.gate-claimed`` and waits until that is removed. The service's uploader
 processes import it through ``DSTL_SERVICE_IMPORTS=service_util``.
 """
 from __future__ import annotations
@@ -38,6 +39,12 @@ class GateFileSystem(LocalFileSystem):
         if any(c in mode for c in "wxa") and "/dstl/" in path:
             root = path.split("/dstl/")[0].rsplit("/", 1)[0]
             gate = os.path.join(root, ".gate")
+            once = os.path.join(root, ".gate-once")
+            try:  # a one-shot gate holds only the first write-open that claims it
+                os.rename(once, gate + "-claimed")
+                gate = gate + "-claimed"
+            except FileNotFoundError:
+                pass
             if os.path.exists(gate):
                 held = os.path.join(root, f".held-{os.getpid()}")
                 open(held, "w").close()

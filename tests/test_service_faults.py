@@ -89,6 +89,30 @@ def test_uploader_killed_mid_upload_is_a_failed_attempt_and_the_batch_is_retried
     s.close()
 
 
+def test_timeout_starts_a_speculative_attempt_and_the_loser_is_discarded(runtime, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    job = uuid.uuid4().hex
+    s = _storage(gate_url(base), job_id=job, upload_timeout="300 ms")
+    runtime.remember(s.scheduler.service_pid)
+    w = s.create_writer("op", KGR)
+    w.append(5, b"speculative")
+    (base / ".gate-once").touch()
+    handle = w.persist(0, 1).result(20).job_manager_owned_snapshot  # won by attempt 2
+    assert held_pids(base), "attempt 1 should still be held"
+    m = s.metrics
+    # attempt 2 started at the timeout and won (or, on a slow machine, a third one did)
+    assert m["ChangelogStorage.attemptsPerUpload"]["max"] in (2, 3)
+    assert m["ChangelogStorage.totalAttemptsPerUpload"]["max"] >= 2
+    os.unlink(base / ".gate-claimed")  # attempt 1 finishes late: its file is discarded
+    winner = os.path.basename(handle.handles_and_offsets[0][0].path)
+    _wait(lambda: _files(base, job) == [winner], what="the losing attempt's file to be deleted")
+    assert _read(s, handle) == [(5, b"speculative")]
+    assert s.registry.ref_count(handle.handles_and_offsets[0][0]) == 1
+    w.close()
+    s.close()
+
+
 def test_scheduler_killed_fails_pending_futures_and_the_next_storage_starts_a_fresh_service(runtime, tmp_path):
     base = tmp_path / "base"
     base.mkdir()
