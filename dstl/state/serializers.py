@@ -10,6 +10,7 @@ Register your own with `register_serializer(obj)` (or pass `serializers={id: obj
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 from typing import Any, Dict, Optional
@@ -27,9 +28,9 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpackb(data) -> Any:
-    """Inverse of `packb`; map keys may be any hashable msgpack type (ints, bytes, ...)."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+# Inverse of `packb`; map keys may be any hashable msgpack type (ints, bytes, ...). A partial, so a
+# call costs no Python frame (replay calls it once per change).
+unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=False, use_list=True)
 
 
 class Serializer:
