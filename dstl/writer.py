@@ -116,16 +116,19 @@ class FsStateChangelogWriter:
 
     def append(self, key_group: int, data) -> None:
         """Add one data change; may upload pre-emptively (and then block on back-pressure)."""
-        task = None
+        # the hot path of the object API: checks inlined, one lock round trip
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise WriterClosedError(f"changelog writer {self.log_id} is closed")
             if type(key_group) is not int:
                 key_group = _key_group_int(key_group)
-            if not (self._kg_start <= key_group <= self._kg_end):
+            if key_group < self._kg_start or key_group > self._kg_end:
                 raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
-            self._buffer.append(key_group, data)
-            if self._buffer.size >= self._threshold:
-                task = self._preemptive_locked()
+            buf = self._buffer
+            buf.append(key_group, data)
+            if buf.size < self._threshold:
+                return
+            task = self._preemptive_locked()
         if task is not None:
             self._submit(task)
 
