@@ -24,8 +24,10 @@ def rows(data, offsets):
 # ------------------------------------------------------------------ op codes and payloads
 
 def test_op_codes_are_flinks():
+    # Flink's StateChangeOperation: ... ADD 3, MERGE_NS 4, ADD_ELEMENT 5, ... REMOVE_FIRST_ELEMENT 8
     assert (C.CLEAR, C.SET, C.SET_INTERNAL, C.ADD, C.ADD_ELEMENT, C.ADD_OR_UPDATE_ELEMENT,
-            C.REMOVE_ELEMENT, C.METADATA) == (0, 1, 2, 3, 4, 5, 6, 9)
+            C.REMOVE_ELEMENT, C.METADATA) == (0, 1, 2, 3, 5, 6, 7, 9)
+    assert C.MERGE_NS not in C.OP_NAMES and C.REMOVE_FIRST_ELEMENT not in C.OP_NAMES  # never valid here
     assert C.KEY_GROUP_SNAPSHOT not in range(0, 10)
 
 
@@ -49,7 +51,7 @@ def test_meta_round_trip_and_identity():
 
 
 @pytest.mark.parametrize("payload, msg", [
-    (b"", "empty"), (b"\x07\x90", "unknown state change operation code 7"),
+    (b"", "empty"), (b"\x04\x90", "unknown state change operation code 4"),
     (b"\x01\xc1", "undecodable SET"), (b"\x01\x93\x01", "undecodable SET"),
 ])
 def test_decode_rejects_garbage(payload, msg):

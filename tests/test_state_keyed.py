@@ -486,7 +486,7 @@ def _raw_snapshot(storage, changes):
 
 
 @pytest.mark.parametrize("payload, message", [
-    (b"\x07\x92\x00\x01", "unknown state change operation code 7"),
+    (b"\x08\x92\x00\x01", "unknown state change operation code 8"),
     (b"\x01\xc1", "undecodable SET"),
     (b"", "empty state change payload"),
     (C.encode(C.SET, [5, 1, 2]), "state id 5 without a preceding METADATA"),

@@ -1,7 +1,9 @@
 """The payload of one keyed-state change: one operation byte, then one msgpack document.
 
-Operation codes are Flink's `StateChangeOperation` codes wherever Flink has one, so a change reads the
-same to anyone who knows Flink's changelog backend (FORMAT.md §2: 9 means METADATA):
+Operation codes are Flink's `StateChangeOperation` codes (flink-statebackend-changelog, checked
+against its source: CLEAR 0, SET 1, SET_INTERNAL 2, ADD 3, MERGE_NS 4, ADD_ELEMENT 5,
+ADD_OR_UPDATE_ELEMENT 6, REMOVE_ELEMENT 7, REMOVE_FIRST_ELEMENT 8, METADATA 9), so a change reads the
+same to anyone who knows Flink's changelog backend (FORMAT.md §2 pins 9 = METADATA):
 
 | code | name | dstl body (msgpack array unless noted) | produced by |
 |---|---|---|---|
@@ -9,13 +11,13 @@ same to anyone who knows Flink's changelog backend (FORMAT.md §2: 9 means METAD
 | 1 | SET | `[state_id, key, value]` | `ValueState.update`, `ListState.update` (value = the whole list) |
 | 2 | SET_INTERNAL | `[state_id, key, value]` | `ReducingState.add` (value = the already reduced result, so a replay needs no reduce function) |
 | 3 | ADD | `[state_id, key, values]` | `ListState.add_all` (a list), `MapState.put_all` (a map) |
-| 4 | ADD_ELEMENT | `[state_id, key, value]` | `ListState.add` |
-| 5 | ADD_OR_UPDATE_ELEMENT | `[state_id, key, user_key, value]` | `MapState.put` |
-| 6 | REMOVE_ELEMENT | `[state_id, key, user_key]` | `MapState.remove` |
+| 5 | ADD_ELEMENT | `[state_id, key, value]` | `ListState.add` |
+| 6 | ADD_OR_UPDATE_ELEMENT | `[state_id, key, user_key, value]` | `MapState.put` |
+| 7 | REMOVE_ELEMENT | `[state_id, key, user_key]` | `MapState.remove` |
 | 9 | METADATA | a msgpack map: `v`, `id`, `name`, `kind`, `serializer`, `options` | state registration |
 | 32 | KEY_GROUP_SNAPSHOT | `[[state_id, {key: value, ...}], ...]`: the whole state of one key group | materialization (dstl's own code; Flink materializes elsewhere) |
 
-Flink's 7 (MERGE_NS) has no use here (no namespaces); 8 is unused. `state_id` is a small int that
+Flink's MERGE_NS (4, namespaces) and REMOVE_FIRST_ELEMENT (8, priority queues) have no use here. `state_id` is a small int that
 is only meaningful together with the METADATA changes of the same log (every log segment a
 checkpoint references starts with them, see keyed.py). Values are embedded as msgpack objects for the
 native msgpack serializer and as msgpack `bin` (the serializer's bytes) otherwise.
@@ -37,9 +39,11 @@ CLEAR = 0
 SET = 1
 SET_INTERNAL = 2
 ADD = 3
-ADD_ELEMENT = 4
-ADD_OR_UPDATE_ELEMENT = 5
-REMOVE_ELEMENT = 6
+MERGE_NS = 4              # Flink only (namespaces); never written by dstl
+ADD_ELEMENT = 5
+ADD_OR_UPDATE_ELEMENT = 6
+REMOVE_ELEMENT = 7
+REMOVE_FIRST_ELEMENT = 8  # Flink only (priority queues); never written by dstl
 METADATA = 9
 KEY_GROUP_SNAPSHOT = 32
 
