@@ -339,7 +339,7 @@ def _blocked_storage(make_storage, tmp_path, **options):
 
 
 def test_upload_failure_fails_every_persist_that_needed_it(make_storage, tmp_path, upload_mode):
-    s, blocker = _blocked_storage(make_storage, tmp_path, batch_persist_delay="200 ms")
+    s, blocker = _blocked_storage(make_storage, tmp_path, batch_persist_delay="1 s")
     w = s.create_writer("op", KGR)
     w.append(0, b"a")
     futures = [w.persist(0, 1)]
