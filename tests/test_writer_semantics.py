@@ -449,3 +449,14 @@ def test_persist_after_storage_close_fails_instead_of_hanging(make_storage):
         return
     assert isinstance(f.exception(T), (OSError, RuntimeError, CancelledError))
     assert files_of(s) == []
+
+
+def test_preemptively_uploaded_then_truncated_files_are_deleted(make_storage):
+    s = make_storage(preemptive_persist_threshold=16)
+    w = s.create_writer("op", KGR)
+    w.append(0, b"x" * 20)  # pre-emptive upload, no checkpoint ever references it
+    wait_until(lambda: w.uploaded_sequence_numbers() == [0], what="pre-emptive upload")
+    assert len(files_of(s)) == 1
+    w.truncate(w.next_sequence_number())  # e.g. a materialization covered it
+    s.registry.wait_for_deletions(T)
+    assert files_of(s) == []
