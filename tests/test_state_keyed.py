@@ -507,3 +507,35 @@ def test_metadata_applied_twice_is_harmless(storage):
     snap = _raw_snapshot(storage, [(-1, meta), (-1, meta), (kg, C.encode(C.SET, [0, 1, "a"]))])
     r = restore(storage, [snap, snap])   # the same handle twice: metadata and data replayed twice
     assert dump(r) == {"v": {1: "a"}}
+
+
+from writer_modes import make_storage, upload_mode  # noqa: E402,F401  (fixtures: every upload mode)
+
+
+def test_checkpoint_materialize_rescale_in_every_upload_mode(make_storage, upload_mode):
+    st = make_storage(batch_persist_delay="2 ms")
+    olds = [KeyedStateBackend(st, "op", kg_range(MAXP, 2, i), MAXP) for i in range(2)]
+    model = {}
+    for b in olds:
+        keys = [k for k in range(2000) if assign_to_key_group(k, MAXP) in b.key_group_range]
+        b.value_state("v").update_many(np.array(keys), np.array(keys) * 2)
+        b.list_state("l", max_length=2).add_many(keys, keys)
+        model.update({k: k * 2 for k in keys})
+    s1 = [b.snapshot(1).result(timeout=30) for b in olds]
+    for b in olds:
+        b.confirm(1)
+        b.materialize()
+        b.value_state("v").update(next(k for k in range(5000) if assign_to_key_group(k, MAXP)
+                                        in b.key_group_range), -1)
+    s2 = [b.snapshot(2).result(timeout=30) for b in olds]
+    for b in olds:
+        b.confirm(2)
+    for snaps in (s1, s2):
+        news = [restore(st, snaps, 3, i) for i in range(3)]
+        got = union(news)
+        expect = model if snaps is s1 else {**model, **{k: v for b in olds for k, v in b.value_state("v").items()}}
+        assert got["v"] == expect
+        for b in news:
+            b.close()
+    for b in olds:
+        b.close()
