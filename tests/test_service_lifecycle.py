@@ -277,3 +277,25 @@ def test_upload_failures_come_back_to_the_task_and_closed_scheduler_cancels(runt
         fut2.result(5)
     reg.close()
     assert [n for n in os.listdir("/dev/shm") if n.startswith(sched.connection.prefix)] == []
+
+
+def test_flush_uploads_the_queue_now_and_gauges_see_the_whole_service(runtime, tmp_path):
+    a = _storage(tmp_path / "base", batch_persist_delay="60 s")
+    b = _storage(tmp_path / "base", batch_persist_delay="60 s")
+    runtime.remember(a.scheduler.service_pid)
+    wa, wb = a.create_writer("op", KGR), b.create_writer("op", KGR)
+    wa.append(1, b"a" * 100)
+    wb.append(2, b"b" * 50)
+    fa, fb = wa.persist(0, 1), wb.persist(0, 1)
+    time.sleep(0.2)
+    assert not fa.done() and not fb.done()
+    # every client sees the service's queue and in-flight bytes, not only its own
+    assert a.metrics["ChangelogStorage.uploadQueueSize"] == 2
+    assert b.metrics["ChangelogStorage.inFlightBytes"] == 150
+    a.scheduler.flush()
+    assert fa.result(20).job_manager_owned_snapshot.state_size == 100
+    assert fb.result(20).job_manager_owned_snapshot.state_size == 50
+    assert a.metrics["ChangelogStorage.uploadQueueSize"] == 0
+    assert a.metrics["ChangelogStorage.inFlightBytes"] == 0
+    for x in (wa, wb, a, b):
+        x.close()

@@ -477,11 +477,21 @@ class ProcessUploadScheduler(StateChangeUploadScheduler):
     def get_availability_provider(self) -> AvailabilityProvider:
         return self.connection.availability
 
+    def _gauges(self) -> tuple:
+        """(in-flight bytes, queued tasks, available) of the whole service, fresh if it answers."""
+        c = self.connection
+        if c.broken is None and not c.closing:
+            try:
+                c.gauges = tuple(c.call("gauges", timeout=2.0))
+            except Exception:
+                pass  # the last pushed values
+        return c.gauges
+
     def queue_size(self) -> int:
-        return int(self.connection.gauges[1])
+        return int(self._gauges()[1])
 
     def in_flight_bytes(self) -> int:
-        return int(self.connection.gauges[0])
+        return int(self._gauges()[0])
 
     @property
     def service_pid(self) -> int:
@@ -490,6 +500,10 @@ class ProcessUploadScheduler(StateChangeUploadScheduler):
     def status(self) -> dict:
         """The service's pids and counters (operators, tests)."""
         return self.connection.call("status")
+
+    def flush(self) -> None:
+        """Upload everything the service has queued now (all clients' tasks), without the persist delay."""
+        self.connection.call("flush")
 
     def ping(self) -> float:
         """One descriptor-sized round trip to the service, in seconds."""

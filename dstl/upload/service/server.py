@@ -500,6 +500,11 @@ class UploadService:
                     value = self.status()
                 elif name == "count":
                     value = self.registry.query("count", args)
+                elif name == "gauges":
+                    value = self._gauges()
+                elif name == "flush":
+                    self._drain()
+                    value = None
                 elif name == "sync":
                     value = self.registry.query("sync", timeout=120)
                 else:

@@ -112,7 +112,12 @@ def attach(name: str) -> SharedMemory:
 def unlink(name: str) -> bool:
     """Remove segment `name`; True if it existed."""
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        try:
+            import _posixshmem
+
+            _posixshmem.shm_unlink("/" + name)
+        except ImportError:  # pragma: no cover
+            os.unlink(os.path.join(SHM_DIR, name))
         return True
     except FileNotFoundError:
         return False
