@@ -539,3 +539,21 @@ def test_checkpoint_materialize_rescale_in_every_upload_mode(make_storage, uploa
             b.close()
     for b in olds:
         b.close()
+
+
+def test_vectorised_reads(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    v, ls, m = b.value_state("v"), b.list_state("l"), b.map_state("m")
+    v.update_many(["a", "b"], [1, 2])
+    ls.add_many(["a", "a", "c"], [1, 2, 3])
+    m.put_many(["a", "a", "b"], ["x", "y", "x"], [1, 2, 3])
+    assert v.get_many(pd.Series(["a", "zz", "b"]), 0) == [1, 0, 2]
+    assert ls.get_many(["a", "b", "c"]) == [[1, 2], [], [3]]
+    assert m.get_many(["a", "b", "b", "q"], ["y", "x", "y", "x"], -1) == [2, 3, -1, -1]
+    assert m.contains_many(np.array(["a", "b", "q"]), ["x", "y", "x"]).tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="differ in length"):
+        m.contains_many(["a"], ["x", "y"])
+    sub = KeyedStateBackend(storage, "op2", kg_range(MAXP, 4, 0), MAXP)
+    outside = next(k for k in range(1000) if assign_to_key_group(k, MAXP) not in sub.key_group_range)
+    with pytest.raises(ValueError, match="outside this backend's range"):
+        sub.value_state("v").get_many([outside])

@@ -226,6 +226,20 @@ class _State:
         ends = cuts + [n]
         return order, [(int(skg[s]), s, e) for s, e in zip(starts, ends)]
 
+    def _lookup_many(self, keys: Any) -> List[Tuple[Optional[dict], Any]]:
+        """(per-key table of the key's group or None, key) for a column of keys."""
+        col = as_column(keys)
+        if col.kind in ("float", "bool"):
+            raise TypeError(f"state keys must be int, str or bytes; got a {col.kind} column")
+        kgs = np.asarray(assign_key_groups(col.for_hash, self._b.max_parallelism))
+        self._b._check_kgs(kgs, col)
+        table, name = self._b._table, self.name
+        out = []
+        for kg, k in zip(kgs.tolist(), col.tolist()):
+            t = table.get(kg)
+            out.append((None if t is None else t.get(name), k))
+        return out
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, serializer={self.serializer.id!r})"
 
@@ -256,16 +270,7 @@ class ValueState(_State):
 
     def get_many(self, keys: Any, default: Any = None) -> List[Any]:
         """Values of a column of keys (key groups computed vectorised)."""
-        col = as_column(keys)
-        kgs = assign_key_groups(col.for_hash, self._b.max_parallelism).tolist()
-        table = self._b._table
-        out = []
-        name = self.name
-        for kg, k in zip(kgs, col.tolist()):
-            t = table.get(kg)
-            s = None if t is None else t.get(name)
-            out.append(default if s is None else s.get(k, default))
-        return out
+        return [default if s is None else s.get(k, default) for s, k in self._lookup_many(keys)]
 
     def update_many(self, keys: Any, values: Any) -> None:
         """Set a whole batch: one change per row, ONE writer.append_many for the batch.
@@ -344,6 +349,10 @@ class ListState(_State):
         if s is None:
             return []
         return list(s.get(key, ()))
+
+    def get_many(self, keys: Any) -> List[list]:
+        """Copies of the lists of a column of keys ([] where there is none)."""
+        return [[] if s is None else list(s.get(k, ())) for s, k in self._lookup_many(keys)]
 
     def add(self, key: Any, value: Any) -> None:
         kg = self._b._kg(key)
@@ -457,6 +466,22 @@ class MapState(_State):
     def contains(self, key: Any, user_key: Any) -> bool:
         m = self._map(key)
         return m is not None and user_key in m
+
+    def _pairs(self, keys: Any, user_keys: Any):
+        uks = as_column(user_keys).tolist()
+        found = self._lookup_many(keys)
+        if len(uks) != len(found):
+            raise ValueError(f"keys and user_keys differ in length: {len(found)} and {len(uks)}")
+        for (s, k), uk in zip(found, uks):
+            yield (None if s is None else s.get(k)), uk
+
+    def get_many(self, keys: Any, user_keys: Any, default: Any = None) -> List[Any]:
+        """`get(key, user_key, default)` for two columns."""
+        return [default if m is None else m.get(uk, default) for m, uk in self._pairs(keys, user_keys)]
+
+    def contains_many(self, keys: Any, user_keys: Any) -> np.ndarray:
+        """`contains(key, user_key)` for two columns, as a bool array."""
+        return np.fromiter((m is not None and uk in m for m, uk in self._pairs(keys, user_keys)), dtype=bool)
 
     def items(self, key: Any) -> List[Tuple[Any, Any]]:
         m = self._map(key)
