@@ -190,3 +190,33 @@ def test_demo_refuses_a_foreign_directory(capsys, tmp_path):
     assert cli.main(["demo", "--dir", str(target)]) == 2
     assert "not a previous demo run" in capsys.readouterr().err
     assert (target / "precious.txt").exists()
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_local_cluster_against_s3(s3_bucket, tmp_path):
+    """Two executor JVMs (local-cluster), each with its own Python workers, against moto's S3.
+
+    A separate driver process: the suite's session is local mode, and local-cluster needs its own.
+    """
+    base = f"{s3_bucket}/cluster"
+    argv = [sys.executable, "-m", "dstl", "pipeline", "--quiet", "--events", "4000", "--batches", "3",
+            "--users", "200", "--items", "40", "--base-path", base, "--master", "local-cluster[2,1,1024]",
+            "--verify"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    proc = subprocess.Popen(argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, (out + err).decode()[-3000:]
+    assert b"verify           OK" in out
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(base)
+    fs.invalidate_cache()
+    assert fs.exists(f"{root}/checkpoints/chk-3/_metadata")

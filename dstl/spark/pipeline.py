@@ -318,9 +318,7 @@ class Report:
 def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
     """Run (or resume) the job; returns the report. Raises UsageError for bad options/paths."""
     from dstl.keygroups import compute_default_max_parallelism
-    from dstl.spark.activity import output_ddl, user_activity
     from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
-    from dstl.spark.job import StatefulJob
 
     args = opts.args
     stream = sys.stderr if stream is None else stream
@@ -339,7 +337,24 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
         raise UsageError(f"--parallelism ({args.parallelism}) must not exceed the job's max parallelism ({maxp})")
     report = Report(first_batch=coord.next_batch, parallelism=args.parallelism, max_parallelism=maxp,
                     job_id=coord.spec.job_id, state=args.state, recovered_output=coord.recovered_output)
+    own_session = False
+    if spark is None:
+        from pyspark.sql import SparkSession
+
+        own_session = SparkSession.getActiveSession() is None
     session = spark if spark is not None else spark_session(args.master)
+    try:
+        return _run_batches(args, opts, coord, session, report, stream)
+    finally:
+        if own_session:
+            session.stop()  # a clean shutdown (local-cluster executors otherwise complain at exit)
+
+
+def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
+    from dstl.spark.activity import output_ddl, user_activity
+    from dstl.spark.job import StatefulJob
+
+    source = opts.source
     user_t = source.spark_type("user_id") if hasattr(source, "spark_type") else "long"
     item_t = source.spark_type("item_id") if hasattr(source, "spark_type") else "long"
     events_schema = EVENTS_DDL.format(user=user_t, item=item_t)
