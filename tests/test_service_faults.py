@@ -294,3 +294,24 @@ def test_a_stopped_service_fails_pending_uploads_instead_of_hanging(runtime, tmp
         os.unlink(base / ".gate")
     w.close()
     s.close()
+
+
+def test_sigterm_stops_the_service_cleanly(runtime, tmp_path):
+    from concurrent.futures import CancelledError
+
+    s = _storage(tmp_path / "base", batch_persist_delay="60 s")
+    pid = runtime.remember(s.scheduler.service_pid)
+    instance = s.scheduler.connection.instance
+    sock = os.path.join(s.scheduler.connection.paths.directory, "sock")
+    family = [pid] + children_of(s.scheduler.service_pid)
+    w = s.create_writer("op", KGR)
+    w.append(1, b"queued, never uploaded")
+    f = w.persist(0, 1)
+    os.kill(pid, signal.SIGTERM)
+    with pytest.raises((OSError, CancelledError)):
+        f.result(20)
+    assert wait_dead(family, 20) == []
+    assert not os.path.exists(sock)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"dstl_{instance}_")] == []
+    w.close()
+    s.close()

@@ -209,8 +209,12 @@ class ServiceConnection:
             self._pending[task_id] = (task, name)
         try:
             self.send(("upload", task_id, job_id, local_dir, name, items, task.size))
-        except UploadServiceError:
-            pass  # _break already failed the task (it was pending) and unlinked the segment
+        except UploadServiceError as exc:
+            with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
+                entry = self._pending.pop(task_id, None)
+            if entry is not None:
+                shm.unlink(name)
+                self._callbacks.put((task.fail, (exc,)))
 
     # ---- receiving -------------------------------------------------------------------------
     def _read_loop(self) -> None:

@@ -242,6 +242,14 @@ class UploadService:
                 except FileNotFoundError:
                     pass
         self._ready.wait(120)
+        with self.lock:  # SIGTERM with tasks still waiting for their batch: they will not be uploaded
+            queued, self.queue = self.queue, []
+            self.queued_bytes = 0
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+        if queued:
+            self._fail_tasks(queued, CancelledError("the upload service is stopping"), None)
         self.executor.close(wait=True)
         self.pool.close()
         self.registry.stop()
