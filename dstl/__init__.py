@@ -35,6 +35,7 @@ _EXPORTS: Dict[str, str] = {
     "UploadTasksResult": "dstl.upload.task", "AvailabilityProvider": "dstl.upload.throttle",
     "StateChangeUploader": "dstl.upload.uploader", "StateChangeFsUploader": "dstl.upload.uploader",
     "RetryPolicy": "dstl.upload.retry", "RetryingExecutor": "dstl.upload.retry",
+    "open_service_client": "dstl.upload.service",
     # key groups and state
     "assign_to_key_group": "dstl.keygroups",
     "compute_key_group_range_for_operator_index": "dstl.keygroups",
