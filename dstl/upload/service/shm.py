@@ -18,7 +18,7 @@ import logging
 import os
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
