@@ -135,3 +135,54 @@ def test_policy_none_does_not_retry(storage_on_faulty, faulty):
     with pytest.raises(OSError):
         f.result(T)
     assert s.metrics["ChangelogStorage.numberOfUploadRequests"] == 1
+
+
+def test_concurrent_writers_with_injected_faults_keep_the_model(tmp_path, faulty):
+    """Failures, mid-write faults and slow attempts injected while 4 writers work: every persist still
+    reads back exactly, losing attempts leave nothing behind, only confirmed files remain."""
+    import threading
+
+    from test_writer_stress import THRESHOLD, _writer_loop
+
+    job = uuid.uuid4().hex
+    s = open_storage(faulty_url(tmp_path), job_id=job, upload_mode="thread", preemptive_persist_threshold=THRESHOLD,
+                     batch_persist_delay="2 ms", upload_max_attempts=6, upload_timeout="150 ms",
+                     upload_next_attempt_delay="5 ms")
+    stop = threading.Event()
+    injected = []
+
+    def inject():
+        kinds = [lambda: faulty.fail_writes(1), lambda: faulty.fail_after_bytes(10),
+                 lambda: faulty.hang(0.4), lambda: faulty.partial_then_fail_at_close(5)]
+        i = 0
+        while not stop.wait(0.05):
+            if faulty.pending_write_faults() == 0:
+                kinds[i % len(kinds)]()
+                injected.append(i)
+                i += 1
+
+    confirmed, errors = set(), []
+    injector = threading.Thread(target=inject)
+    injector.start()
+    try:
+        threads = [threading.Thread(target=_writer_loop, args=(s, i, 200 + i, 15, confirmed, errors))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        injector.join(T)
+        faulty.release_hangs()
+        assert not any(t.is_alive() for t in threads)
+        if errors:
+            raise errors[0]
+        assert faulty.failed_writes > 0 and len(injected) > 2
+        s.close()  # waits for slow losing attempts; their files are deleted
+        on_disk = set(os.listdir(tmp_path / job / "dstl"))
+        assert on_disk == {os.path.basename(p) for p in confirmed}
+        assert s.metrics["ChangelogStorage.numberOfUploadFailures"] > 0
+    finally:
+        stop.set()
+        faulty.release_hangs()
+        s.close()
