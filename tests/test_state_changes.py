@@ -248,3 +248,49 @@ def test_encode_rows_rejects_bad_specs(impl):
         fn(b"", [("i", np.arange(3, dtype=np.int64))], 4)
     with pytest.raises(ValueError, match="unknown column spec"):
         fn(b"", [("q", np.arange(3, dtype=np.int64))], 3)
+
+
+def _updaters():
+    from dstl.state.columns import dict_update_rows_py
+
+    out = {"python": dict_update_rows_py}
+    try:
+        from dstl._fast import _statecols
+    except ImportError:
+        return out
+    out["cython"] = _statecols.dict_update_rows
+    return out
+
+
+@pytest.mark.parametrize("impl", list(_updaters()))
+def test_dict_update_rows_later_rows_win(impl):
+    fn = _updaters()[impl]
+    rng = np.random.default_rng(3)
+    n = 5000
+    kgs = rng.integers(10, 20, n).astype(np.int32)
+    keys = rng.integers(0, 300, n).astype(np.int64)
+    for values in (rng.integers(-5, 5, n).astype(np.int64), rng.normal(size=n), [str(i) for i in range(n)]):
+        tables = [{} for _ in range(10)]
+        model = [{} for _ in range(10)]
+        for kg, k, v in zip(kgs.tolist(), keys.tolist(), list(values)):
+            model[kg - 10][k] = v if not isinstance(v, np.generic) else v.item()
+        fn(tables, 10, kgs, keys, values)
+        assert tables == model
+        assert all(type(k) is int for t in tables for k in t)
+    with pytest.raises(ValueError, match="has no table"):
+        fn([None] * 10, 10, kgs, keys, keys)
+    with pytest.raises(ValueError, match="differ in length"):
+        fn([{}] * 10, 10, kgs, keys[:-1], keys)
+
+
+def test_dict_update_rows_kernel_and_twin_identical():
+    ups = _updaters()
+    if len(ups) < 2:
+        pytest.skip("the Cython extension is not built")
+    kgs = np.array([1, 2, 1, 1, 2], dtype=np.int32)
+    keys = ["a", "b", "a", "c", "b"]
+    vals = [[1], {"x": 2}, None, 3.5, b"z"]
+    a, b = [{}, {}], [{}, {}]
+    ups["cython"](a, 1, kgs, keys, vals)
+    ups["python"](b, 1, kgs, keys, vals)
+    assert a == b == [{"a": None, "c": 3.5}, {"b": b"z"}]

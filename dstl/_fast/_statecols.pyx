@@ -10,7 +10,7 @@ A spec is one of (built by dstl.state.columns):
   ("s", uint8 data, int64 offsets[n+1]) str (UTF-8 bytes)   ("y", data, offsets) bytes (msgpack bin)
   ("r", data, offsets) rows that are already msgpack
 """
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 
 import numpy as np
@@ -20,7 +20,7 @@ cimport numpy as cnp
 cnp.import_array()
 
 
-cdef inline Py_ssize_t _uint_size(uint64_t v) nogil:
+cdef inline Py_ssize_t _uint_size(uint64_t v) noexcept nogil:
     if v < 128:
         return 1
     if v < 256:
@@ -32,7 +32,7 @@ cdef inline Py_ssize_t _uint_size(uint64_t v) nogil:
     return 9
 
 
-cdef inline Py_ssize_t _int_size(int64_t v) nogil:
+cdef inline Py_ssize_t _int_size(int64_t v) noexcept nogil:
     if v >= 0:
         return _uint_size(<uint64_t>v)
     if v >= -32:
@@ -46,13 +46,13 @@ cdef inline Py_ssize_t _int_size(int64_t v) nogil:
     return 9
 
 
-cdef inline void _be(uint8_t* p, uint64_t v, int width) nogil:
+cdef inline void _be(uint8_t* p, uint64_t v, int width) noexcept nogil:
     cdef int k
     for k in range(width):
         p[k] = <uint8_t>(v >> (8 * (width - 1 - k)))
 
 
-cdef inline Py_ssize_t _write_uint(uint8_t* p, uint64_t v) nogil:
+cdef inline Py_ssize_t _write_uint(uint8_t* p, uint64_t v) noexcept nogil:
     if v < 128:
         p[0] = <uint8_t>v
         return 1
@@ -73,7 +73,7 @@ cdef inline Py_ssize_t _write_uint(uint8_t* p, uint64_t v) nogil:
     return 9
 
 
-cdef inline Py_ssize_t _write_int(uint8_t* p, int64_t v) nogil:
+cdef inline Py_ssize_t _write_int(uint8_t* p, int64_t v) noexcept nogil:
     cdef uint64_t u = <uint64_t>v
     if v >= 0:
         return _write_uint(p, u)
@@ -97,7 +97,7 @@ cdef inline Py_ssize_t _write_int(uint8_t* p, int64_t v) nogil:
     return 9
 
 
-cdef inline Py_ssize_t _len_header_size(int64_t length, bint is_str) nogil:
+cdef inline Py_ssize_t _len_header_size(int64_t length, bint is_str) noexcept nogil:
     if is_str and length < 32:
         return 1
     if length < 256:
@@ -107,7 +107,7 @@ cdef inline Py_ssize_t _len_header_size(int64_t length, bint is_str) nogil:
     return 5
 
 
-cdef inline Py_ssize_t _write_len_header(uint8_t* p, int64_t length, bint is_str) nogil:
+cdef inline Py_ssize_t _write_len_header(uint8_t* p, int64_t length, bint is_str) noexcept nogil:
     if is_str and length < 32:
         p[0] = <uint8_t>(0xA0 | length)
         return 1
@@ -229,3 +229,50 @@ def encode_rows(bytes prefix, list specs, Py_ssize_t n):
                     memcpy(out + pos[i], &data[so[i]], length)
                     pos[i] += length
     return result, offsets
+
+
+cdef extern from "Python.h":
+    int PyDict_SetItem(object d, object k, object v) except -1
+
+
+def dict_update_rows(list tables, Py_ssize_t kg_start, kgs, keys, values):
+    """`tables[kgs[i] - kg_start][keys[i]] = values[i]` for every row, in row order (twin:
+    dstl.state.columns.dict_update_rows_py). `keys`/`values`: int64 or float64 arrays, or lists."""
+    cdef const int32_t[::1] kg = kgs
+    cdef Py_ssize_t n = kg.shape[0], i, slot, ntab = len(tables)
+    cdef const int64_t[::1] ik
+    cdef const int64_t[::1] iv
+    cdef const double[::1] fv
+    cdef list lk = None, lv = None
+    cdef int kmode = 0, vmode = 0   # 0 list, 1 int64, 2 float64
+    if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
+        ik = keys
+        kmode = 1
+    else:
+        lk = keys if isinstance(keys, list) else list(keys)
+    if isinstance(values, np.ndarray) and values.dtype == np.int64:
+        iv = values
+        vmode = 1
+    elif isinstance(values, np.ndarray) and values.dtype == np.float64:
+        fv = values
+        vmode = 2
+    else:
+        lv = values if isinstance(values, list) else list(values)
+    if (kmode == 0 and len(lk) != n) or (kmode == 1 and ik.shape[0] != n) \
+            or (vmode == 0 and len(lv) != n) or (vmode == 1 and iv.shape[0] != n) \
+            or (vmode == 2 and fv.shape[0] != n):
+        raise ValueError("key groups, keys and values differ in length")
+    for i in range(n):
+        slot = kg[i] - kg_start
+        if slot < 0 or slot >= ntab or tables[slot] is None:
+            raise ValueError(f"row {i}: key group {kg[i]} has no table")
+    for i in range(n):
+        d = tables[kg[i] - kg_start]
+        k = ik[i] if kmode == 1 else lk[i]
+        if vmode == 1:
+            v = iv[i]
+        elif vmode == 2:
+            v = fv[i]
+        else:
+            v = lv[i]
+        PyDict_SetItem(d, k, v)

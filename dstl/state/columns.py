@@ -30,7 +30,7 @@ else:
 KERNEL = "cython" if _kernel is not None else "python"
 
 __all__ = ["Column", "as_column", "pack_column", "concat_rows", "pack_bin_rows", "encode_rows",
-           "encode_rows_py", "KERNEL"]
+           "encode_rows_py", "dict_update_rows", "dict_update_rows_py", "KERNEL"]
 
 _U8 = np.uint8
 _SHORT = 48  # str/bin values up to this many bytes are packed as a matrix
@@ -454,3 +454,40 @@ def encode_rows(prefix: bytes, specs: Sequence[tuple], n: int) -> Tuple[np.ndarr
     if _kernel is not None:
         return _kernel.encode_rows(bytes(prefix), list(specs), n)
     return encode_rows_py(prefix, specs, n)
+
+
+def dict_update_rows_py(tables: list, kg_start: int, kgs: np.ndarray, keys: Any, values: Any) -> None:
+    """Twin of `dstl._fast._statecols.dict_update_rows`: `tables[kgs[i] - kg_start][keys[i]] = values[i]`
+    in row order. Pure Python: one stable sort by key group, then one `dict.update` per group."""
+    n = len(kgs)
+    keys_l = keys if isinstance(keys, list) else list(keys.tolist() if hasattr(keys, "tolist") else keys)
+    vals_l = values if isinstance(values, list) else list(values.tolist() if hasattr(values, "tolist") else values)
+    if len(keys_l) != n or len(vals_l) != n:
+        raise ValueError("key groups, keys and values differ in length")
+    slots = np.asarray(kgs, dtype=np.int64) - kg_start
+    if n:
+        bad = (slots < 0) | (slots >= len(tables))
+        if not bad.any():
+            bad = np.fromiter((tables[s] is None for s in np.unique(slots).tolist()), dtype=bool)
+            if bad.any():
+                first = int(np.unique(slots)[np.argmax(bad)])
+                row = int(np.argmax(slots == first))
+                raise ValueError(f"row {row}: key group {int(kgs[row])} has no table")
+        else:
+            row = int(np.argmax(bad))
+            raise ValueError(f"row {row}: key group {int(kgs[row])} has no table")
+    order = np.argsort(slots.astype(np.int16), kind="stable")  # int16: numpy radix-sorts it
+    ss = slots[order]
+    cuts = (np.flatnonzero(ss[1:] != ss[:-1]) + 1).tolist()
+    ol = order.tolist()
+    for s, e in zip([0] + cuts, cuts + [n]):
+        idx = ol[s:e]
+        tables[int(ss[s])].update((keys_l[i], vals_l[i]) for i in idx) if len(idx) < 2 else \
+            tables[int(ss[s])].update(zip(itemgetter(*idx)(keys_l), itemgetter(*idx)(vals_l)))
+
+
+def dict_update_rows(tables: list, kg_start: int, kgs: np.ndarray, keys: Any, values: Any) -> None:
+    """`tables[kgs[i] - kg_start][keys[i]] = values[i]` for every row, later rows winning."""
+    if _kernel is not None:
+        return _kernel.dict_update_rows(tables, kg_start, np.ascontiguousarray(kgs, dtype=np.int32), keys, values)
+    return dict_update_rows_py(tables, kg_start, kgs, keys, values)

@@ -32,7 +32,7 @@ import numpy as np
 from dstl.errors import CorruptChangelogError
 from dstl.keygroups import assign_key_groups, assign_to_key_group
 from dstl.state import changes as C
-from dstl.state.columns import Column, as_column, encode_rows, pack_bin_rows
+from dstl.state.columns import Column, as_column, dict_update_rows, encode_rows, pack_bin_rows
 from dstl.state.serializers import get_serializer, resolve_serializer, unpackb
 from dstl.types import KeyGroupRange
 
@@ -226,6 +226,15 @@ class _State:
         ends = cuts + [n]
         return order, [(int(skg[s]), s, e) for s, e in zip(starts, ends)]
 
+    def _tables_for(self, kgs: np.ndarray) -> List[Optional[dict]]:
+        """Per slot of the backend's range: this state's table of that key group if `kgs` uses it."""
+        start = self._b._kg_start
+        used = np.bincount(np.asarray(kgs, dtype=np.int64) - start, minlength=len(self._b.key_group_range))
+        tables: List[Optional[dict]] = [None] * len(used)
+        for slot in np.flatnonzero(used).tolist():
+            tables[slot] = self._table(start + slot)
+        return tables
+
     def _lookup_many(self, keys: Any) -> List[Tuple[Optional[dict], Any]]:
         """(per-key table of the key's group or None, key) for a column of keys."""
         col = as_column(keys)
@@ -301,11 +310,7 @@ class ValueState(_State):
             self._b._mutated(n)
             return
         self._bulk_append(C.SET, kgs, kcol, vcol.specs(self._convert()), 3)
-        order, runs = self._groups(kgs)
-        keys_l = kcol.take(order)
-        vals_l = vcol.take(order)
-        for kg, s, e in runs:
-            self._table(kg).update(zip(keys_l[s:e], vals_l[s:e]))
+        dict_update_rows(self._tables_for(kgs), self._b._kg_start, kgs, _row_values(kcol), _row_values(vcol))
         self._b._mutated(n)
 
     def _apply(self, op: int, kg: int, body: list) -> None:
@@ -652,6 +657,16 @@ class ReducingState(ValueState):
         else:
             raise CorruptChangelogError(
                 f"{C.OP_NAMES[op]} is not a ReducingState operation (state {self.name!r})", 0)
+
+
+def _row_values(col: Column) -> Any:
+    """What dict_update_rows takes: int64/float64 arrays as they are (the kernel makes the Python
+    objects), anything else as a list of Python objects."""
+    if col.np is not None and col.np.dtype.kind == "i":
+        return np.ascontiguousarray(col.np, dtype=np.int64)
+    if col.np is not None and col.np.dtype.kind == "f":
+        return np.ascontiguousarray(col.np, dtype=np.float64)
+    return col.tolist()
 
 
 _KIND_CLASSES = {"value": ValueState, "list": ListState, "map": MapState, "reducing": ReducingState}
