@@ -42,6 +42,9 @@ ops = st.one_of(
     st.tuples(st.just("m_clear"), keys),
     st.tuples(st.just("m_bulk"), st.lists(st.tuples(keys, user_keys, st.integers(0, 9)), max_size=12)),
     st.tuples(st.just("r_add"), keys, st.integers(0, 100)),
+    st.tuples(st.just("r_bulk"), st.lists(st.tuples(keys, st.integers(0, 9)), max_size=8)),
+    st.tuples(st.just("l_add_all"), keys, st.lists(small, max_size=5)),
+    st.tuples(st.just("m_put_all"), keys, st.dictionaries(user_keys, st.integers(0, 9), max_size=3)),
     st.tuples(st.just("checkpoint"), st.booleans()),           # confirm (True) or abort (False)
     st.tuples(st.just("materialize"), st.integers(0, 7)),
     st.tuples(st.just("crash"), st.integers(1, 8), st.booleans()),  # new parallelism, materialize on restore
@@ -91,6 +94,23 @@ class Job:
         elif kind == "v_clear":
             self.state(self.owner(op[1]), "v").clear(op[1])
             mv.pop(op[1], None)
+        elif kind == "r_bulk":
+            for b in self.backends:
+                mine = [r for r in op[1] if self.owner(r[0]) is b]
+                if mine:
+                    self.state(b, "r").add_many([r[0] for r in mine], [r[1] for r in mine])
+            for k, x in op[1]:
+                mr[k] = mr.get(k, 0) + x
+        elif kind == "l_add_all":
+            _, k, xs = op
+            self.state(self.owner(k), "l").add_all(k, xs)
+            if xs:
+                ml[k] = (ml.get(k, []) + xs)[-LIST_MAX:]
+        elif kind == "m_put_all":
+            _, k, d = op
+            self.state(self.owner(k), "m").put_all(k, d)
+            if d:
+                mm.setdefault(k, {}).update(d)
         elif kind in ("v_bulk", "l_bulk", "m_bulk"):
             rows = op[1]
             for b in self.backends:  # route each row to its owner, keep the order within a subtask
