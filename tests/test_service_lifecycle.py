@@ -299,3 +299,21 @@ def test_flush_uploads_the_queue_now_and_gauges_see_the_whole_service(runtime, t
     assert a.metrics["ChangelogStorage.inFlightBytes"] == 0
     for x in (wa, wb, a, b):
         x.close()
+
+
+def test_a_service_that_cannot_start_is_reported_quickly_with_its_log(runtime, tmp_path, monkeypatch):
+    from dstl.errors import UploadServiceError
+
+    monkeypatch.setenv("DSTL_SERVICE_IMPORTS", "no_such_module_for_dstl_tests")
+    t = time.monotonic()
+    with pytest.raises(UploadServiceError, match="no_such_module_for_dstl_tests"):
+        _storage(tmp_path / "base")
+    assert time.monotonic() - t < 30
+
+
+def test_open_service_client_rejects_a_bad_job_id(runtime, tmp_path):
+    from dstl.config import StorageConfig
+    from dstl.upload.service import open_service_client
+
+    with pytest.raises(ValueError, match="job_id"):
+        open_service_client(StorageConfig(str(tmp_path)), "../escape")

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 from dstl.errors import UploadServiceError
 from dstl.upload.scheduler import StateChangeUploadScheduler
 from dstl.upload.service import shm
-from dstl.upload.service.runtime import ServicePaths, file_lock
+from dstl.upload.service.runtime import ServicePaths, file_lock, pid_alive
 from dstl.upload.throttle import AvailabilityProvider
 
 log = logging.getLogger("dstl.upload.service.client")
@@ -45,8 +45,9 @@ FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are al
 _LAUNCHER = (
     "import subprocess, sys\n"
     "log = open(sys.argv[1], 'ab')\n"
-    "subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,"
+    "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,"
     " start_new_session=True)\n"
+    "print(p.pid)\n"
 )
 
 
@@ -56,8 +57,8 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(dstl.__file__)))
 
 
-def _start_service(paths: ServicePaths, config) -> None:
-    """Launch the service detached (through a short-lived launcher, so it is nobody's zombie)."""
+def _start_service(paths: ServicePaths, config) -> int:
+    """Launch the service detached (through a short-lived launcher, so it is nobody's zombie); its pid."""
     import json
 
     tmp = paths.config_file + f".{os.getpid()}.tmp"
@@ -68,8 +69,20 @@ def _start_service(paths: ServicePaths, config) -> None:
     env = dict(os.environ)
     root = _package_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, paths.log_file, sys.executable, "-m",
-                    "dstl.upload.service.server", paths.directory], env=env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, paths.log_file, sys.executable, "-m",
+                          "dstl.upload.service.server", paths.directory], env=env, check=True, timeout=60,
+                         stdout=subprocess.PIPE, text=True)
+    return int(out.stdout.strip())
+
+
+def _log_tail(paths: ServicePaths, n: int = 2000) -> str:
+    try:
+        with open(paths.log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _try_connect(paths: ServicePaths):
@@ -93,9 +106,12 @@ def _connect(paths: ServicePaths, config):
                 os.unlink(paths.socket)  # a dead service's socket
             except FileNotFoundError:
                 pass
-            _start_service(paths, config)
+            pid = _start_service(paths, config)
             deadline = time.monotonic() + START_TIMEOUT_S
             while conn is None:
+                if not pid_alive(pid):
+                    raise UploadServiceError(f"the upload service (pid {pid}) exited during start-up; "
+                                             f"{paths.log_file} ends with:\n{_log_tail(paths)}")
                 if time.monotonic() > deadline:
                     raise UploadServiceError(
                         f"the upload service did not start within {START_TIMEOUT_S:.0f} s; see {paths.log_file}")
@@ -580,6 +596,8 @@ def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: O
     from dstl.config import StorageConfig
 
     config = StorageConfig.of(config)
+    if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"job_id must be a non-empty name without '/', got {job_id!r}")
     paths = ServicePaths.for_config(config)
     connection = ServiceConnection(paths, config, metrics)
     return ProcessUploadScheduler(connection, job_id, local_recovery_dir), ServiceRegistryProxy(connection)

@@ -23,6 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+# Bumped whenever client and service messages change: other versions get a service of their own.
+PROTOCOL_VERSION = 1
+
 # Options that do not change what the service does (client-side only) are left out of the key.
 _CLIENT_ONLY = {"upload_mode", "cache_idle_timeout_ms", "preemptive_persist_threshold", "base_path"}
 
@@ -52,6 +55,7 @@ def service_fingerprint(config) -> dict:
     """The options a service is built from (what the key hashes)."""
     fields = {k: v for k, v in _config_fields(config).items() if k not in _CLIENT_ONLY}
     fields["base_path"] = normalize_base_path(config.base_path)
+    fields["protocol"] = PROTOCOL_VERSION
     return fields
 
 
