@@ -294,3 +294,11 @@ def test_dict_update_rows_kernel_and_twin_identical():
     ups["cython"](a, 1, kgs, keys, vals)
     ups["python"](b, 1, kgs, keys, vals)
     assert a == b == [{"a": None, "c": 3.5}, {"b": b"z"}]
+
+
+def test_state_kernel_matches_the_implementation_in_use():
+    from conftest import expected_implementation
+    from dstl.state import columns
+
+    # under `make test`'s Cython run the kernel must really be loaded, not a silent fallback
+    assert columns.KERNEL == expected_implementation()
