@@ -271,3 +271,30 @@ def test_append_error_after_the_change_was_logged_keeps_memory_in_step(storage):
     b._writer = real
     snap = b.snapshot(1).result()
     assert dump(KeyedStateBackend.restore(storage, "op", FULL, MAXP, [snap])) == dump(b)
+
+
+def test_big_key_groups_are_split_into_several_changes(storage, monkeypatch):
+    from dstl.state import materialize as M
+
+    monkeypatch.setattr(M, "CHUNK_ENTRIES", 7)
+    b = KeyedStateBackend(storage, "op", KeyGroupRange(0, 3), MAXP)
+    keys = [k for k in range(5000) if assign_to_key_group(k, MAXP) <= 3]
+    b.value_state("v").update_many(keys, keys)
+    b.list_state("l").add_many(keys[:30], keys[:30])
+    b.materialize()
+    (handle,) = b._mat.handles
+    data = [c for c in storage.create_reader().read_all(handle) if c.key_group >= 0]
+    per_kg = {}
+    for c in data:
+        _, body = C.decode(c.data)
+        assert sum(len(entries) for _, entries in body) <= 7
+        per_kg[c.key_group] = per_kg.get(c.key_group, 0) + 1
+    assert set(per_kg) == set(b.key_groups()) and min(per_kg.values()) > 1
+    snap = b.snapshot(1).result()
+    for ranges in ([KeyGroupRange(0, 3)], [KeyGroupRange(0, 1), KeyGroupRange(2, 3)]):
+        news = [KeyedStateBackend.restore(storage, "op", r, MAXP, [snap]) for r in ranges]
+        merged = {}
+        for r in news:
+            for name, items in dump(r).items():
+                merged.setdefault(name, {}).update(items)
+        assert merged == dump(b)

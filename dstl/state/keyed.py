@@ -1056,7 +1056,11 @@ class KeyedStateBackend:
             if state is None:
                 raise CorruptChangelogError(f"key-group snapshot refers to unknown state id {sid!r}", 0)
             restore = state._restore_value
-            t[state.name] = {k: restore(w) for k, w in entries.items()}
+            # merge: a big key group comes as several changes (materialize.CHUNK_ENTRIES)
+            dst = t.get(state.name)
+            if dst is None:
+                dst = t[state.name] = {}
+            dst.update({k: restore(w) for k, w in entries.items()})
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property

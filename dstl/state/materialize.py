@@ -1,14 +1,15 @@
 """Materialization: keep replay bounded by writing a compact snapshot of the whole keyed state.
 
 `materialize(backend)`:
-1. encodes, per key group, the whole state of that key group as ONE change (KEY_GROUP_SNAPSHOT:
-   `[[state_id, {key: value}], ...]`), so a later restore at another parallelism keeps only the key
+1. encodes, per key group, the whole state of that key group as one change (KEY_GROUP_SNAPSHOT:
+   `[[state_id, {key: value}], ...]`; a key group of more than CHUNK_ENTRIES keys becomes several
+   changes, merged on restore), so a later restore at another parallelism keeps only the key
    groups it owns (the file is never split; `get_intersection` narrows the handle's range);
 2. rolls the backend's log over: the sqn reached is where the changelog tail of every later
    checkpoint starts, and the METADATA changes are appended again so the tail is self-describing;
 3. writes the snapshot through the same storage with a second writer
-   (`<operator_id>/materialized-<n>`: METADATA changes, then one change per non-empty key group) and
-   persists it to a handle. This blocks until the upload is done (Flink materializes asynchronously;
+   (`<operator_id>/materialized-<n>`: METADATA changes, then the key-group changes, appended as they
+   are encoded) and persists it to a handle. This blocks until the upload is done (Flink materializes asynchronously;
    here the call is explicit or triggered by the configured interval).
 
 A checkpoint is then "materialized handle(s) + changelog since the materialization". When the first
@@ -76,21 +77,41 @@ class Materialization:
                 f"confirmed={self.confirmed})")
 
 
-def encode_key_group(backend, kg: int) -> Optional[bytes]:
-    """The KEY_GROUP_SNAPSHOT payload of one key group, or None if it holds no state."""
+# entries (keys) per KEY_GROUP_SNAPSHOT change: bounds the size of one change (FORMAT.md lengths are
+# int32) and the memory a materialization holds at once; a big key group becomes several changes
+CHUNK_ENTRIES = 50_000
+
+
+def encode_key_group(backend, kg: int, chunk_entries: Optional[int] = None) -> List[bytes]:
+    """The KEY_GROUP_SNAPSHOT payloads of one key group ([] if it holds no state).
+
+    Each payload is `[[state_id, {key: value, ...}], ...]` with at most `chunk_entries` keys in
+    all; a restore merges them, so the split is invisible."""
+    limit = chunk_entries or CHUNK_ENTRIES
     t = backend._table.get(kg)
     if not t:
-        return None
-    entries = []
+        return []
+    out: List[bytes] = []
+    entries: List[list] = []
+    count = 0
     for name, per_key in t.items():
         if not per_key:
             continue
         state = backend._states[name]
         snap = state._snapshot_value
-        entries.append([state._sid, {k: snap(v) for k, v in per_key.items()}])
-    if not entries:
-        return None
-    return bytes((C.KEY_GROUP_SNAPSHOT,)) + packb(entries)
+        part: dict = {}
+        for k, v in per_key.items():
+            part[k] = snap(v)
+            count += 1
+            if count >= limit:
+                entries.append([state._sid, part])
+                out.append(bytes((C.KEY_GROUP_SNAPSHOT,)) + packb(entries))
+                entries, part, count = [], {}, 0
+        if part:
+            entries.append([state._sid, part])
+    if entries:
+        out.append(bytes((C.KEY_GROUP_SNAPSHOT,)) + packb(entries))
+    return out
 
 
 def materialize(backend, force: bool = False) -> Materialization:
@@ -101,23 +122,23 @@ def materialize(backend, force: bool = False) -> Materialization:
     backend._materializing = True
     try:
         n = backend._mat_counter + 1
-        payloads = []
-        for kg in sorted(backend._table):
-            p = encode_key_group(backend, kg)
-            if p is not None:
-                payloads.append((kg, p))
-        metas = [C.encode_meta(s.meta) for s in backend._states.values()]
-        # the tail of later checkpoints starts here; make it self-describing
+        metas = [C.encode_meta(st.meta) for st in backend._states.values()]
+        # the tail of later checkpoints starts here; make it self-describing. Nothing mutates the
+        # state until this call returns, so the snapshot below is exactly the state at `sqn`.
         sqn = backend._writer.next_sequence_number()
         for m in metas:
             backend._writer.append_meta(m)
         writer = backend.storage.create_writer(f"{backend.operator_id}/materialized-{n}",
                                                backend.key_group_range)
+        groups = 0
         try:
             for m in metas:
                 writer.append_meta(m)
-            for kg, p in payloads:
-                writer.append(kg, p)
+            for kg in sorted(backend._table):
+                payloads = encode_key_group(backend, kg)
+                groups += bool(payloads)
+                for p in payloads:  # appended as encoded: pre-emptive uploads bound the memory
+                    writer.append(kg, p)
             result = writer.persist(writer.initial_sequence_number(), -1).result()
             end = writer.next_sequence_number()
         except BaseException:
@@ -135,7 +156,7 @@ def materialize(backend, force: bool = False) -> Materialization:
         backend._since_bytes = 0
         backend.materializations += 1
         log.debug("materialized %s %s: %d key groups, sqn %s", backend.operator_id,
-                  backend.key_group_range, len(payloads), sqn)
+                  backend.key_group_range, groups, sqn)
         return mat
     finally:
         backend._materializing = False
