@@ -81,6 +81,9 @@ class FsStateChangelogWriter:
         self._active = 0
         self._not_uploaded: Dict[int, SealedChangeSet] = {}
         self._uploaded: Dict[int, UploadResult] = {}
+        # uploaded sqns whose files a checkpoint owns (confirm stopped tracking them): releasing them
+        # again would be a no-op that only logs "untracked" warnings, so truncate skips them
+        self._confirmed: set = set()
         self._lowest = 0
         self._highest: Optional[int] = None  # exclusive; None = unbounded
         self._highest_failed: Optional[Tuple[int, BaseException]] = None
@@ -316,6 +319,17 @@ class FsStateChangelogWriter:
                 log.exception("writer %s: could not release %s", self.log_id, h)
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def _pop_uploaded(self, sqns) -> List[UploadResult]:
+        """Remove `sqns` from `uploaded`; return the results this writer still has to release."""
+        out = []
+        for sqn in sqns:
+            r = self._uploaded.pop(sqn)
+            if sqn in self._confirmed:
+                self._confirmed.discard(sqn)
+            else:
+                out.append(r)
+        return out
+
     def truncate(self, to_sqn) -> None:
         """Forget change sets below `to_sqn`: nothing before it will be persisted again."""
         to = int(as_sqn(to_sqn))
@@ -325,7 +339,7 @@ class FsStateChangelogWriter:
             self._lowest = to
             for sqn in [s for s in self._not_uploaded if s < to]:
                 del self._not_uploaded[sqn]
-            release = [self._uploaded.pop(s) for s in [s for s in self._uploaded if s < to]]
+            release = self._pop_uploaded([s for s in self._uploaded if s < to])
         for r in release:
             self._release(r)
 
@@ -334,7 +348,7 @@ class FsStateChangelogWriter:
         start = int(as_sqn(from_sqn))
         with self._lock:
             self._highest = start
-            release = [self._uploaded.pop(s) for s in [s for s in self._uploaded if s >= start]]
+            release = self._pop_uploaded([s for s in self._uploaded if s >= start])
         for r in release:
             self._release(r)
         self.close()
@@ -346,6 +360,7 @@ class FsStateChangelogWriter:
             if not (start <= end <= self._active):
                 raise ValueError(f"invalid confirm range [{start}, {end}) (active is {self._active})")
             owned = [r for s, r in self._uploaded.items() if start <= s < end]
+            self._confirmed.update(s for s in self._uploaded if start <= s < end)
         for r in owned:
             self._registry.stop_tracking(r.stream_handle)
             if r.local_stream_handle is not None:
@@ -366,6 +381,7 @@ class FsStateChangelogWriter:
             self._buffer.clear()
             self._not_uploaded.clear()
             self._uploaded.clear()
+            self._confirmed.clear()
             listeners, self._listeners = self._listeners, []
         err = WriterClosedError(f"changelog writer {self.log_id} was closed")
         for lst in listeners:

@@ -215,3 +215,21 @@ def test_scheduler_raising_fails_the_task_so_nothing_hangs():
     with pytest.raises(OSError, match="already failed"):
         w.persist(0, 2)
     registry.close()
+
+
+def test_truncate_after_confirm_leaves_the_file_without_untracked_warnings(rig, caplog):
+    import logging
+
+    w, sched, registry, files = rig
+    w.append(0, b"a")
+    f = w.persist(0, 1)
+    sched.complete()
+    f.result(T)
+    nxt = w.next_sequence_number()
+    w.confirm(0, nxt, 1)
+    with caplog.at_level(logging.WARNING, logger="dstl.registry"):
+        w.truncate(nxt)
+        w.close()
+    registry.wait_for_deletions(T)
+    assert len(files()) == 1
+    assert "untracked" not in caplog.text
