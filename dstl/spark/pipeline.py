@@ -269,6 +269,8 @@ class Report:
     state: str = "dstl"
     warm_events: int = 0
     warm_seconds: float = 0.0
+    #: per batch: wall time and where it went (slowest task's restore/process/snapshot, driver steps)
+    details: List[Dict[str, float]] = field(default_factory=list)
 
     @property
     def events_per_s(self) -> float:
@@ -378,6 +380,13 @@ def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
                 os.kill(os.getpid(), signal.SIGKILL)
         res = job.run_batch(df, properties={"events": len(pdf)}, after_metadata=hook, **fail)
         report.batches += 1
+        report.details.append({
+            "batch": b, "seconds": round(res.seconds, 3),
+            "restore_ms": round(max(r.restore_ms for r in res.reports), 1),
+            "process_ms": round(max(r.process_ms for r in res.reports), 1),
+            "snapshot_ms": round(max(r.snapshot_ms for r in res.reports), 1),
+            "metadata_ms": round(res.stats.metadata_ms, 1), "commit_ms": round(res.stats.commit_ms, 1),
+            "gc_ms": round(res.stats.gc_ms, 1)})
         report.events += res.rows_in
         report.seconds += res.seconds
         report.subtask_batches += len(res.reports)
