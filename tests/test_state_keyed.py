@@ -564,3 +564,18 @@ def test_vectorised_reads(storage):
     outside = next(k for k in range(1000) if assign_to_key_group(k, MAXP) not in sub.key_group_range)
     with pytest.raises(ValueError, match="outside this backend's range"):
         sub.value_state("v").get_many([outside])
+
+
+def test_unserializable_values_name_the_problem_and_change_nothing(storage):
+    b = KeyedStateBackend(storage, "op", FULL, MAXP)
+    v = b.value_state("v")
+    with pytest.raises(OverflowError, match="row 0: cannot serialize"):
+        v.update_many([1, 2], [2**70, 1])
+    with pytest.raises(TypeError, match="row 1: cannot serialize"):
+        v.update_many(["a", "b"], [1, {3}])
+    with pytest.raises(TypeError, match="state 'v', key 'a': cannot serialize"):
+        v.update("a", {1, 2})
+    with pytest.raises(ValueError, match="outside the int64 range"):
+        v.update_many([1, 2**70], [1, 2])
+    assert dict(v.items()) == {}
+    assert dump(restore(storage, [b.snapshot(1).result()])) == {"v": {}}

@@ -162,6 +162,21 @@ def _pack_layout(data: np.ndarray, offsets: np.ndarray, is_str: bool) -> List[Pa
     return [header, _Binary(data, offsets)]
 
 
+def _packed_rows(objs: list, convert: Optional[Callable[[Any], Any]]) -> List[bytes]:
+    """packb of every element (after `convert`); an error names the first row that fails."""
+    try:
+        if convert is None:
+            return [packb(x) for x in objs]
+        return [packb(convert(x)) for x in objs]
+    except Exception:
+        for i, x in enumerate(objs):
+            try:
+                packb(x if convert is None else convert(x))
+            except Exception as exc:
+                raise type(exc)(f"row {i}: cannot serialize {x!r:.80}: {exc}") from exc
+        raise
+
+
 def pack_bin_rows(rows: Sequence[bytes]) -> _Binary:
     """Already encoded rows (bytes) as one binary column."""
     lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
@@ -220,9 +235,9 @@ class Column:
             if self.kind in ("str", "bin"):
                 data, offsets = _arrow_layout(self.arrow)
                 return [("s" if self.kind == "str" else "y", data, np.ascontiguousarray(offsets))]
-            rows = pack_bin_rows([packb(x) for x in self.tolist()])
+            rows = pack_bin_rows(_packed_rows(self.tolist(), None))
         else:
-            rows = pack_bin_rows([packb(convert(x)) for x in self.tolist()])
+            rows = pack_bin_rows(_packed_rows(self.tolist(), convert))
         return [("r", rows.data, rows.offsets)]
 
     def pack(self, convert: Optional[Callable[[Any], Any]] = None) -> List[Packed]:

@@ -166,7 +166,12 @@ class _State:
         return None if t is None else t.get(self.name)
 
     def _append(self, kg: int, op: int, fields: List[Any]) -> None:
-        self._b._append(kg, C.encode(op, [self._sid] + fields))
+        try:
+            payload = C.encode(op, [self._sid] + fields)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise type(exc)(f"state {self.name!r}, key {fields[0]!r:.80}: cannot serialize the change: "
+                            f"{exc}") from exc
+        self._b._append(kg, payload)
 
     # state-wide views
     def all_items(self) -> Iterator[Tuple[Any, Any]]:
