@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--base-path", default="./dstl-run",
                      help="checkpoints and changelog, any fsspec URL (default ./dstl-run)")
     job.add_argument("--output", default=None, help="committed output (default <base-path>/output)")
-    job.add_argument("--master", default="local[2,4]",
-                     help="Spark master (default local[2,4]: 2 threads, a task may fail 4 times)")
+    job.add_argument("--master", default=None,
+                     help="Spark master (default local[2,4]: 2 threads, a task may fail 4 times; under "
+                          "spark-submit: spark-submit's --master)")
     job.add_argument("--resume", action="store_true",
                      help="continue the job at --base-path from its latest checkpoint (any --parallelism)")
     job.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -180,8 +181,14 @@ def check_options(args: argparse.Namespace) -> Options:
 
 # ------------------------------------------------------------------ Spark
 
-def spark_session(master: str):
-    """A SparkSession for the pipeline (an already running one is reused as is)."""
+DEFAULT_MASTER = "local[2,4]"
+
+
+def spark_session(master: Optional[str]):
+    """A SparkSession for the pipeline (an already running one is reused as is).
+
+    `master` None: spark-submit's master when spark-submit started this driver, else local[2,4].
+    """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
@@ -189,7 +196,12 @@ def spark_session(master: str):
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
-    builder = (SparkSession.builder.master(master).appName("dstl-pipeline")
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
+        master = DEFAULT_MASTER
+    builder = SparkSession.builder
+    if master is not None:
+        builder = builder.master(master)
+    builder = (builder.appName("dstl-pipeline")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
@@ -198,7 +210,7 @@ def spark_session(master: str):
                .config("spark.sql.shuffle.partitions", "8"))
     if os.environ.get("SPARK_LOCAL_IP") == "127.0.0.1":
         builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-    if master.startswith("local-cluster"):
+    if master is not None and master.startswith("local-cluster"):
         # executors are separate JVMs: they need the same Python and the same environment
         builder = builder.config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
         for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
