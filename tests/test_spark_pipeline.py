@@ -92,6 +92,24 @@ def test_spark_shuffle_routing_verifies(spark, tmp_path):
     assert report.verify == [], report.render()
 
 
+def test_input_csv_with_string_keys(spark, tmp_path):
+    """--input: a CSV with string user ids and datetime timestamps, cut into batches in file order."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(5)
+    n = 3000
+    pd.DataFrame({"user_id": [f"user-{u}" for u in rng.zipf(1.3, n) % 150],
+                  "item_id": rng.integers(0, 40, n), "amount_cents": rng.integers(100, 9000, n),
+                  "ts": pd.date_range("2024-05-01", periods=n, freq="s")}).to_csv(tmp_path / "events.csv", index=False)
+    report = _run(spark, "--input", str(tmp_path / "events.csv"), "--batches", "3",
+                  "--base-path", str(tmp_path / "job"), "--verify")
+    assert report.verify == [], report.render()
+    assert report.events == n
+    out = pd.read_parquet(tmp_path / "job" / "output")
+    assert out["user_id"].str.startswith("user-").all()
+
+
 @pytest.mark.s3
 def test_s3_base_path(spark, s3_bucket):
     base = f"{s3_bucket}/pipeline"

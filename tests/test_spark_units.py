@@ -118,6 +118,16 @@ def test_state_cache_hits_only_the_exact_completed_checkpoint(tmp_path):
         b3.close()
 
 
+def test_state_cache_closes_idle_entries(tmp_path):
+    with FsStateChangelogStorage(StorageConfig(base_path=str(tmp_path)), job_id="f" * 32) as storage:
+        cache = StateCache()
+        b = _backend(storage)
+        b.snapshot(1).result()
+        cache.put(("job", "op", 1, 16, 0), b, 1, "t")
+        assert cache.evict_idle(idle_s=60) == 0 and not b.closed
+        assert cache.evict_idle(idle_s=0) == 1 and b.closed and len(cache) == 0
+
+
 def test_state_cache_evicts_rescaled_entries(tmp_path):
     with FsStateChangelogStorage(StorageConfig(base_path=str(tmp_path)), job_id="b" * 32) as storage:
         cache = StateCache()

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
 
 log = logging.getLogger(__name__)
+
+
+#: a cached backend nobody asked for in this long is closed (a finished job's state, in a long-lived worker)
+IDLE_TIMEOUT_S = float(os.environ.get("DSTL_SPARK_CACHE_IDLE_S", "600"))
 
 
 @dataclass
@@ -28,6 +34,7 @@ class CacheEntry:
     backend: Any
     checkpoint_id: int
     token: str
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class StateCache:
@@ -45,6 +52,7 @@ class StateCache:
 
         Returns None on a miss; a stale entry for `key` is closed on the way.
         """
+        self.evict_idle()
         with self._lock:
             entry = self._entries.pop(key, None)
         if entry is None:
@@ -75,6 +83,17 @@ class StateCache:
             entries = [self._entries.pop(k) for k in doomed]
         for entry in entries:
             self._close_stale(entry, None)
+
+    def evict_idle(self, idle_s: Optional[float] = None) -> int:
+        """Close entries unused for `idle_s` seconds (default IDLE_TIMEOUT_S); returns how many."""
+        limit = IDLE_TIMEOUT_S if idle_s is None else idle_s
+        now = time.monotonic()
+        with self._lock:
+            doomed = [k for k, e in self._entries.items() if now - e.last_used > limit]
+            entries = [self._entries.pop(k) for k in doomed]
+        for entry in entries:
+            self._close_stale(entry, None)
+        return len(entries)
 
     def _close_stale(self, entry: CacheEntry, completed: Optional[int]) -> None:
         # A stale backend's last snapshot may be part of a completed checkpoint that a newer owner

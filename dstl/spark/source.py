@@ -108,10 +108,22 @@ class FileSource:
         for c in ("user_id", "item_id"):
             if df[c].isna().any():
                 raise ValueError(f"--input {path}: column {c} has nulls")
-        if np.issubdtype(df["ts"].dtype, np.datetime64):
-            df["ts"] = df["ts"].astype("datetime64[us]").astype(np.int64)
-        df["ts"] = df["ts"].astype(np.int64)
-        df["amount_cents"] = df["amount_cents"].astype(np.int64)
+        ts = df["ts"]
+        if ts.dtype == object:  # CSV: timestamps as text
+            try:
+                ts = pd.to_datetime(ts)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"--input {path}: column ts is neither integer microseconds nor timestamps "
+                                 f"({exc})") from None
+        if isinstance(ts.dtype, pd.DatetimeTZDtype):
+            ts = ts.dt.tz_convert("UTC").dt.tz_localize(None)
+        if np.issubdtype(ts.dtype, np.datetime64):
+            ts = ts.astype("datetime64[us]").astype(np.int64)
+        try:
+            df["ts"] = ts.astype(np.int64)
+            df["amount_cents"] = df["amount_cents"].astype(np.int64)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--input {path}: ts and amount_cents must be integers ({exc})") from None
         if "event_id" not in df.columns:
             df["event_id"] = np.arange(len(df), dtype=np.int64)
         bounds = batch_bounds(len(df), batches)
