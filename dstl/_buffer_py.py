@@ -141,6 +141,31 @@ def _raise_first_bad_row(kgs: np.ndarray, offs: np.ndarray, lengths: np.ndarray,
     raise ValueError(f"append_many: row {i}: {why}; nothing was added")
 
 
+CHUNK = 1 << 20  # bytes per piece of SealedBody.write_to
+
+
+class SealedBody(bytes):
+    """Twin of the Cython `SealedBody`: a sealed body with `write_to(write, chunk_size)` (pieces in
+    order, each at most `chunk_size` bytes) and `tobytes()`; here it is the body bytes themselves."""
+
+    __slots__ = ()
+
+    def write_to(self, write, chunk_size: int = CHUNK) -> int:
+        """Call `write(view)` with consecutive pieces of the body; returns the bytes written."""
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        view = memoryview(self)
+        for pos in range(0, len(self), chunk_size):
+            write(view[pos:pos + chunk_size])
+        return len(self)
+
+    def tobytes(self) -> bytes:
+        return bytes(self)
+
+    def __repr__(self) -> str:
+        return f"SealedBody(encoded={len(self)})"
+
+
 class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (FORMAT.md §4)."""
 
@@ -228,6 +253,10 @@ class ChangeBuffer:
         self._encode_into(out, 0)
         self.clear()
         return bytes(out)
+
+    def seal_body(self) -> "SealedBody":
+        """The canonical body as a `SealedBody` (here simply the sealed bytes); the buffer is empty afterwards."""
+        return SealedBody(self.seal())
 
     def seal_into(self, out, pos: int = 0) -> int:
         """Write the body into the writable buffer `out` at `pos`; returns its length and empties the buffer."""

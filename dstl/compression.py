@@ -103,9 +103,19 @@ class StreamWriter:
             self._emit(bytes(cramjam.zstd.compress(block, level=ZSTD_LEVEL)))
 
     def write(self, data) -> None:
-        """Append logical bytes."""
+        """Append logical bytes: a bytes-like object, or a body that streams itself (`write_to`, e.g.
+        a `SealedBody`), which is then produced piece by piece straight into the file or compressor."""
         if self._finished:
             raise ValueError("StreamWriter is finished")
+        if hasattr(data, "write_to"):
+            if self.flag != FLAG_RAW:
+                data.write_to(self.write, self._buffer_size)
+                return
+            self._flush_out()
+            n = data.write_to(self._file.write, self._buffer_size)
+            self.logical_size += n
+            self.file_size += n
+            return
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
         n = len(view)
         self.logical_size += n

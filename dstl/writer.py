@@ -108,7 +108,7 @@ class FsStateChangelogWriter:
         if n == 0:
             return
         size = buf.size
-        body = buf.seal()
+        body = buf.seal_body()  # payload copied only while the upload streams it
         self._not_uploaded[self._active] = SealedChangeSet(self.log_id, self._active, body, size, n)
         self._active += 1
 

@@ -11,7 +11,7 @@ Twin: dstl/_buffer_py.py (byte-identical output, same errors; `coerce_many` is s
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_CheckExact
-from libc.stdint cimport int32_t, int64_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
@@ -25,6 +25,10 @@ cdef enum:
 
 cdef int64_t INT32_MAX = 2147483647
 
+cdef extern from "Python.h":
+    ctypedef struct PyByteArrayObject:
+        Py_ssize_t ob_exports
+
 cdef extern from "sys/mman.h" nogil:
     int madvise(void* addr, size_t length, int advice)
     int MADV_HUGEPAGE
@@ -34,7 +38,9 @@ cdef extern from *:
     #ifndef MADV_HUGEPAGE
     #define MADV_HUGEPAGE 14
     #endif
+    #define DSTL_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 0)
     """
+    void DSTL_PREFETCH(const void* p) noexcept nogil
 
 
 cdef inline void huge_pages(void* start, int64_t length) noexcept nogil:
@@ -351,6 +357,44 @@ cdef class ChangeBuffer:
         self.clear()
         return body
 
+    def seal_body(self):
+        """The canonical body as a `SealedBody`, without copying the payload: the body takes over the
+        buffer's records (and its references to immutable sources) and writes the bytes only when it
+        is streamed to a file (`write_to`). The buffer is empty afterwards."""
+        self._check_idle()
+        cdef SealedBody body = SealedBody.__new__(SealedBody)
+        cdef int64_t r, i, stop
+        cdef intptr_t base
+        cdef int slot, g = 0
+        body.total = 4 + 8 * self.num_groups + 4 * self.n + self.payload
+        body.n = self.n
+        body.num_groups = self.num_groups
+        if self.n:
+            body.groups = <int64_t*>malloc(2 * self.num_groups * sizeof(int64_t))
+            if body.groups == NULL:
+                raise MemoryError()
+            for slot in range(self.min_slot, self.max_slot + 1):
+                if self.counts[slot]:
+                    body.groups[2 * g] = slot - 1
+                    body.groups[2 * g + 1] = self.counts[slot]
+                    g += 1
+            # offsets become absolute addresses: the records then no longer need their runs
+            for r in range(self.nruns):
+                base = <intptr_t>(self.run_ptr[r] if self.run_ptr[r] != NULL else self.arena)
+                stop = self.run_first[r + 1] if r + 1 < self.nruns else self.n
+                for i in range(self.run_first[r], stop):
+                    self.offs[i] += base
+            body.kgs, body.offs, body.lens, body.arena = self.kgs, self.offs, self.lens, self.arena
+            body.sources = self.sources
+            self.kgs = NULL
+            self.offs = NULL
+            self.lens = NULL
+            self.arena = NULL
+            self.cap = 0
+            self.arena_cap = 0
+        self.clear()
+        return body
+
     def seal_into(self, out, pos=0):
         """Write the body into the writable buffer `out` at `pos`; returns its length and empties the buffer."""
         cdef Py_buffer view
@@ -405,3 +449,238 @@ cdef class ChangeBuffer:
 
     def __repr__(self):
         return f"ChangeBuffer(changes={self.n}, size={self.payload}, cython)"
+
+
+cdef enum:
+    PREFETCH_AHEAD = 24     # records
+    CHUNK = 1 << 20         # bytes per streamed piece: stays in L2/L3 between the fill and the write
+
+cdef dict _spare_chunks = {}  # size -> reusable chunk buffers (touched already: no page faults on reuse)
+
+
+cdef struct Cursor:
+    int64_t phase           # 0 = count of groups, 1 = group header, 2 = records, 3 = done
+    int64_t g               # current group
+    int64_t r               # current position in perm
+    int64_t stop            # end of the current group in perm
+    int64_t done            # bytes of the current item already emitted
+
+
+cdef inline int64_t copy_part(unsigned char* dst, int64_t room, const unsigned char* src, int64_t length,
+                              int64_t* done) noexcept nogil:
+    """Copy what fits of src[*done:length] to dst; returns the bytes copied."""
+    cdef int64_t k = length - done[0]
+    if k > room:
+        k = room
+    memcpy(dst, src + done[0], k)
+    done[0] += k
+    return k
+
+
+cdef class SealedBody:
+    """A sealed change-set body that is produced while it is written (`ChangeBuffer.seal_body`).
+
+    `len(body)` is its encoded size; `write_to(write)` calls `write(view)` with consecutive pieces of
+    the canonical bytes (each view is only valid during the call); `bytes(body)` / the buffer protocol
+    give the whole body (built once, on first use). Safe to stream from several threads at once.
+    """
+    cdef readonly int64_t total
+    cdef int64_t n, num_groups
+    cdef int32_t* kgs
+    cdef int64_t* offs      # absolute payload addresses
+    cdef int32_t* lens
+    cdef unsigned char* arena
+    cdef int64_t* groups    # (key group, count) per group, canonical order
+    cdef int64_t* perm      # record indices in canonical order (built on first write)
+    cdef list sources
+    cdef object _bytes
+
+    def __cinit__(self):
+        self.kgs = NULL
+        self.offs = NULL
+        self.lens = NULL
+        self.arena = NULL
+        self.groups = NULL
+        self.perm = NULL
+        self.total = 4
+        self.n = self.num_groups = 0
+        self.sources = []
+        self._bytes = None
+
+    def __dealloc__(self):
+        free(self.kgs)
+        free(self.offs)
+        free(self.lens)
+        free(self.arena)
+        free(self.groups)
+        free(self.perm)
+
+    def __len__(self):
+        return self.total
+
+    cdef int _order(self) except -1:
+        """Stable counting sort of the records by group (called with the GIL: built exactly once)."""
+        cdef int64_t* start
+        cdef int64_t i, g, lo, span
+        cdef int64_t* perm
+        if self.perm != NULL or self.n == 0:
+            return 0
+        lo = self.groups[0]
+        span = self.groups[2 * (self.num_groups - 1)] - lo + 1
+        start = <int64_t*>malloc(span * sizeof(int64_t))
+        perm = <int64_t*>malloc(self.n * sizeof(int64_t))
+        if start == NULL or perm == NULL:
+            free(start)
+            free(perm)
+            raise MemoryError()
+        with nogil:
+            i = 0
+            for g in range(self.num_groups):
+                start[self.groups[2 * g] - lo] = i
+                i += self.groups[2 * g + 1]
+            for i in range(self.n):
+                g = self.kgs[i] - lo
+                perm[start[g]] = i
+                start[g] += 1
+        free(start)
+        self.perm = perm
+        return 0
+
+    cdef int64_t _fill(self, unsigned char* out, int64_t room, Cursor* c) noexcept nogil:
+        """Write the next canonical bytes into out[:room]; returns how many (0 once done)."""
+        cdef int64_t filled = 0, i, length, stop, ahead
+        cdef int64_t n = self.n
+        cdef unsigned char tmp[8]
+        cdef const unsigned char* src
+        while filled < room and c.phase != 3:
+            if c.phase == 0:
+                put_be32(tmp, <int32_t>self.num_groups)
+                filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
+                if c.done == 4:
+                    c.done = 0
+                    c.phase = 1 if self.num_groups else 3
+            elif c.phase == 1:
+                put_be32(tmp, <int32_t>self.groups[2 * c.g + 1])
+                put_be32(tmp + 4, <int32_t>self.groups[2 * c.g])
+                filled += copy_part(out + filled, room - filled, tmp, 8, &c.done)
+                if c.done == 8:
+                    c.done = 0
+                    c.phase = 2
+                    c.stop = c.r + self.groups[2 * c.g + 1]
+            else:
+                stop = c.stop
+                while c.r < stop and filled < room:
+                    i = self.perm[c.r]
+                    length = self.lens[i]
+                    src = <const unsigned char*>self.offs[i]
+                    if c.done == 0 and room - filled >= 4 + length:  # the common case: whole record
+                        ahead = c.r + PREFETCH_AHEAD
+                        if ahead < n:  # the gather reads far apart records: ask for them early
+                            src = <const unsigned char*>self.offs[self.perm[ahead]]
+                            DSTL_PREFETCH(src)
+                            DSTL_PREFETCH(src + 64)
+                            src = <const unsigned char*>self.offs[i]
+                        put_be32(out + filled, <int32_t>length)
+                        memcpy(out + filled + 4, src, length)
+                        filled += 4 + length
+                        c.r += 1
+                        continue
+                    if c.done < 4:
+                        put_be32(tmp, <int32_t>length)
+                        filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
+                        if c.done < 4:
+                            break
+                    c.done -= 4
+                    filled += copy_part(out + filled, room - filled, src, length, &c.done)
+                    if c.done < length:
+                        c.done += 4
+                        break
+                    c.done = 0
+                    c.r += 1
+                if c.r == stop and c.done == 0:
+                    c.g += 1
+                    c.phase = 1 if c.g < self.num_groups else 3
+        return filled
+
+    def write_to(self, write, chunk_size=CHUNK):
+        """Call `write(view)` with the body's bytes in order, `chunk_size` bytes at a time (the last
+        piece may be shorter); each view is valid only during its call. Returns the bytes written."""
+        cdef Cursor c
+        cdef int64_t size = chunk_size, got, written = 0
+        cdef unsigned char* ptr
+        cdef bytearray chunk
+        if size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if self._bytes is not None:
+            view = memoryview(self._bytes)
+            for pos in range(0, self.total, size):
+                write(view[pos:pos + size])
+            return self.total
+        self._order()
+        c.phase = 0
+        c.g = c.r = c.stop = c.done = 0
+        spares = _spare_chunks.get(size)
+        chunk = spares.pop() if spares else bytearray(size)
+        ptr = <unsigned char*>(<char*>chunk)
+        while True:
+            with nogil:
+                got = self._fill(ptr, size, &c)
+            if got == 0:
+                break
+            view = memoryview(chunk)[:got]
+            try:
+                write(view)
+            finally:
+                try:
+                    view.release()
+                except BufferError:
+                    pass
+                if (<PyByteArrayObject*>chunk).ob_exports:  # the callee kept a view: never reuse the chunk
+                    chunk = bytearray(size)
+                    ptr = <unsigned char*>(<char*>chunk)
+            written += got
+        if spares is None:
+            if len(_spare_chunks) < 8:
+                _spare_chunks[size] = [chunk]
+        elif len(spares) < 4:
+            spares.append(chunk)
+        return written
+
+    def tobytes(self):
+        """The whole body as bytes (built once and kept)."""
+        cdef Cursor c
+        cdef int64_t got
+        cdef unsigned char* dst
+        if self._bytes is None:
+            self._order()
+            out = PyBytes_FromStringAndSize(NULL, self.total)
+            dst = <unsigned char*>PyBytes_AS_STRING(out)
+            huge_pages(dst, self.total)
+            c.phase = 0
+            c.g = c.r = c.stop = c.done = 0
+            with nogil:
+                got = self._fill(dst, self.total, &c)
+            if got != self.total:
+                raise AssertionError(f"sealed body produced {got} of {self.total} bytes")
+            self._bytes = out
+        return self._bytes
+
+    def __bytes__(self):
+        return self.tobytes()
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        PyObject_GetBuffer(self.tobytes(), buffer, flags)
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        PyBuffer_Release(buffer)
+
+    def __eq__(self, other):
+        try:
+            return self.tobytes() == bytes(memoryview(other))
+        except TypeError:
+            return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"SealedBody(groups={self.num_groups}, changes={self.n}, encoded={self.total})"
