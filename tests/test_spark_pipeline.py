@@ -43,6 +43,26 @@ def _unreferenced_changelog_files(base, job_id):
     return sorted(n for n in os.listdir(directory) if n not in keep)
 
 
+def test_key_group_and_subtask_columns_match_flink_assignment(spark):
+    from pyspark.sql import functions as F
+
+    from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+    from dstl.spark import partition_salts, with_subtask
+
+    df = spark.createDataFrame([(i, f"user-{i}") for i in range(-50, 250)], "n long, s string")
+    for col in ("n", "s"):
+        rows = with_subtask(df, col, 128, 3).select(col, "_dstl_kg", "_dstl_subtask").collect()
+        keys = [r[0] for r in rows]
+        kgs = assign_key_groups(keys, 128)
+        assert [r[1] for r in rows] == kgs.tolist()
+        assert [r[2] for r in rows] == operator_indices_for_key_groups(kgs, 128, 3).tolist()
+    # Spark's own partitioner sends each salt to its subtask's partition
+    salts = partition_salts(3)
+    parts = (spark.createDataFrame([(v,) for v in salts], "v int").repartition(3, "v")
+             .select("v", F.spark_partition_id().alias("p")).collect())
+    assert sorted((salts.index(r.v), r.p) for r in parts) == [(0, 0), (1, 1), (2, 2)]
+
+
 def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path):
     base = str(tmp_path / "job")
     report = _run(spark, *SMALL, "--base-path", base, "--verify")

@@ -426,6 +426,11 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
         raise ValueError(f"key column {key!r} not in the batch (columns: {', '.join(pdf.columns)})")
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
+    if events_schema is None:  # from the pandas dtypes (an empty branch cannot infer one)
+        import pyarrow as pa
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        events_schema = from_arrow_schema(pa.Schema.from_pandas(pdf, preserve_index=False))
     if order_by:
         pdf = pdf.sort_values(list(order_by), kind="stable", ignore_index=True)
     subtasks = operator_indices_for_key_groups(assign_key_groups(pdf[key], max_parallelism),
