@@ -310,7 +310,8 @@ def test_sigterm_stops_the_service_cleanly(runtime, tmp_path):
     os.kill(pid, signal.SIGTERM)
     with pytest.raises((OSError, CancelledError)):
         f.result(20)
-    assert wait_dead(family, 20) == []
+    left = wait_dead(family, 20)
+    assert left == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:150] for p in left]
     assert not os.path.exists(sock)
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"dstl_{instance}_")] == []
     w.close()

@@ -145,6 +145,7 @@ class UploadService:
         self.linger_timer: Optional[threading.Timer] = None
         self.sticky: Optional[BaseException] = None
         self.stopping = False
+        self.terminated = False  # set by the SIGTERM handler (a plain attribute: no locks there)
         self.stopped = threading.Event()
         self.listener: Optional[Listener] = None
         self.ctx = None
@@ -176,7 +177,10 @@ class UploadService:
         threading.Thread(target=self._start_children, name="dstl-start-children", daemon=True).start()
         threading.Thread(target=self._accept_loop, name="dstl-accept", daemon=True).start()
         self._arm_linger()
-        self.stopped.wait()
+        # polled, not a bare wait(): the SIGTERM handler must not take the Event's lock (it may
+        # interrupt this very thread while it holds it)
+        while not self.stopped.wait(0.2) and not self.terminated:
+            pass
         self._shutdown()
 
     def _start_children(self) -> None:
@@ -557,8 +561,7 @@ def main(argv=None) -> int:
     service = UploadService(paths, config, linger)
 
     def on_term(_signo, _frame):  # stop accepting, finish what runs, clean up, exit
-        service.stopping = True
-        service.stopped.set()
+        service.terminated = True
 
     signal.signal(signal.SIGTERM, on_term)
     service.serve()
