@@ -258,3 +258,38 @@ def test_local_cluster_against_s3(s3_bucket, tmp_path):
     fs, root = fsspec.core.url_to_fs(base)
     fs.invalidate_cache()
     assert fs.exists(f"{root}/checkpoints/chk-3/_metadata")
+
+
+def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
+    """Tasks of batch 1 succeed but the driver never completes checkpoint 2 (e.g. its metadata write
+    failed). Re-running batch 1 must not continue the workers' backends, which already hold batch 1:
+    they are stale (checkpoint 2 is not the latest completed one), so the tasks restore checkpoint 1."""
+    from dstl.config import StorageConfig
+    from dstl.spark.activity import compare_output, compare_state, output_ddl, reference, user_activity
+    from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
+    from dstl.spark.job import StatefulJob
+    from dstl.spark.keyed import TaskReport, stateful_map_in_pandas_local
+    from dstl.spark.source import SyntheticSource
+
+    base = str(tmp_path / "job")
+    source = SyntheticSource(3000, 3, users=150, items=30, seed=9)
+    coord = CheckpointCoordinator.open(base, JobSpec.new("user-activity", 128, base + "/output", source.params()),
+                                       StorageConfig(base_path=base).to_mapping(), resume=False)
+    schema = pipeline.EVENTS_DDL.format(user="long", item="long")
+    job = StatefulJob(coord, user_activity, output_ddl(), key="user_id", parallelism=2,
+                      order_by=["ts", "event_id"], spark=spark, events_schema=schema)
+    assert job.run_batch(source.batch(0)).cache_hits == 0
+    plan = coord.plan(1, 2)
+    abandoned = [TaskReport.from_row(r) for r in stateful_map_in_pandas_local(
+        spark, source.batch(1), user_activity, output_ddl(), key="user_id", parallelism=2, max_parallelism=128,
+        checkpoint=plan, order_by=["ts", "event_id"], events_schema=schema).collect()]
+    assert len(abandoned) == 2 and all(not r.restored for r in abandoned)  # continued from memory
+    retried = job.run_batch(source.batch(1))
+    assert retried.checkpoint_id == 2 and retried.restored == 2  # stale backends closed, state restored
+    third = job.run_batch(source.batch(2))
+    assert third.cache_hits == 2
+    coord.finish()
+    expected_state, expected_out = reference(source.all())
+    assert compare_state(pipeline.read_checkpoint_state(coord, coord.latest), expected_state) == []
+    out, problems = pipeline.read_output(base + "/output")
+    assert problems == [] and compare_output(out, expected_out) == []
