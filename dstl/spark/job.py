@@ -18,7 +18,8 @@ class BatchResult:
     rows_in: int
     rows_out: int
     seconds: float
-    #: the checkpoint's duration: slowest task snapshot (sync + upload) + metadata write
+    #: the checkpoint's duration: slowest task's pre-commit (output staged, state snapshot uploaded)
+    #: + the metadata write
     checkpoint_ms: float
     restored: int
     restore_ms: float

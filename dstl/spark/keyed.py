@@ -191,6 +191,7 @@ class TaskReport:
     restored: bool
     restore_ms: float
     process_ms: float
+    #: pre-commit of this checkpoint in the task: output staged + state snapshot persisted
     snapshot_ms: float
     state_size: int
     pid: int
@@ -292,12 +293,12 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
     restored = backend is None
     if backend is None:
         backend = open_backend(storage, plan, subtask)
-    else:
-        # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
-        backend.confirm(plan.restore_checkpoint_id)
     t1 = time.perf_counter()
     token = uuid.uuid4().hex
     try:
+        if not restored:
+            # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
+            backend.confirm(plan.restore_checkpoint_id)
         if plan.fail_subtask == subtask and plan.fail_marker:
             _maybe_fail(plan, fn, rows, backend)
         out = fn(rows, backend) if len(rows) else None

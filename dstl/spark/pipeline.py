@@ -306,7 +306,7 @@ class Report:
         if self.state == "dstl":
             lines += [
                 f"  checkpoint       p50 {_pct(self.checkpoint_ms, .5):.0f} ms, p99 {_pct(self.checkpoint_ms, .99):.0f} ms"
-                f" (slowest task snapshot + metadata write)",
+                f" (slowest task's output staging + state snapshot, + metadata write)",
                 f"  uploaded         {self.uploaded_files} files, {self.uploaded_bytes / mib:.2f} MiB; "
                 f"{self.deleted_files} unreferenced files deleted",
                 f"  retained         {self.retained_files} changelog files, {self.retained_bytes / mib:.2f} MiB",
