@@ -20,6 +20,13 @@ OPERATOR_ID = "user-activity"
 EVENTS_DDL = "batch long, event_id long, ts long, user_id {user}, item_id {item}, amount_cents long"
 
 
+PROCESS_MODE_WARNING = (
+    "dstl pipeline: warning: upload.mode=process: the host's upload service releases the unconfirmed files "
+    "of a client that dies; a Python worker that dies between two batches (idle timeout, OOM, executor "
+    "loss) before confirming the last completed checkpoint makes that checkpoint's files be deleted. "
+    "The default upload.mode=thread has no such window.")
+
+
 class UsageError(Exception):
     """A bad option or path: reported in one line, exit code 2."""
 
@@ -125,10 +132,12 @@ def _storage_options(args) -> Dict[str, Any]:
     mapping.setdefault(PREFIX + "base-path", args.base_path)
     mapping.setdefault(PREFIX + "upload.mode", "thread")
     try:
-        return StorageConfig.from_mapping(mapping).to_mapping()
+        config = StorageConfig.from_mapping(mapping)
     except ValueError as exc:
         _fail(f"--storage-option: {exc}")
-    return {}
+    if config.upload_mode == "process":
+        print(PROCESS_MODE_WARNING, file=sys.stderr)
+    return config.to_mapping()
 
 
 @dataclass
