@@ -362,4 +362,5 @@ def _check_same(stored: JobSpec, asked: JobSpec) -> None:
     for k, v in asked.params.items():
         if k in stored.params and stored.params[k] != v:
             raise JobConflictError(f"job {stored.job_id} was started with {k}={stored.params[k]!r}; "
-                                   f"resuming with {k}={v!r} would change its input")
+                                   f"resuming with {k}={v!r} would change its input (repeat the original "
+                                   f"source options)")
