@@ -162,7 +162,10 @@ class Runtime:
                 os.kill(p, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        t0 = time.monotonic()
         left = wait_dead(tree, 15)
+        if time.monotonic() - t0 > 3:
+            sys.stderr.write(f"SLOWCLEANUP {time.monotonic() - t0:.1f}s left={left} tree={tree}\n")
         for p in left:
             try:
                 os.kill(p, signal.SIGKILL)
