@@ -49,6 +49,47 @@ class _Tee:
         return True
 
 
+_PREALLOCATE_MIN = 1 << 20  # smaller files gain nothing from reserving their blocks first
+_libc_fallocate = None
+
+
+def _fallocate(fd: int, size: int) -> bool:
+    """fallocate(2) `size` bytes (no glibc fallback that writes zeros where it is unsupported)."""
+    global _libc_fallocate
+    if _libc_fallocate is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            _libc_fallocate = fn
+        except (OSError, AttributeError):
+            _libc_fallocate = False
+    return bool(_libc_fallocate) and _libc_fallocate(fd, 0, 0, size) == 0
+
+
+def _open_local_exclusive(path: str, size: Optional[int]):
+    """Create a local file exclusively; with a known final `size`, reserve its blocks up front: the
+    writes then skip most per-page block reservation work (ext4/xfs; about a third of a large write's
+    cost). Best effort: where it fails or is unsupported the file is written as usual."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        if size is not None and size >= _PREALLOCATE_MIN and not _fallocate(fd, size):
+            os.ftruncate(fd, 0)  # a failed attempt may have left a partial reservation
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_size(bodies, compression: Optional[str]) -> Optional[int]:
+    """The exact file size of raw `bodies` (flag byte + bodies); None when compressed (unknown)."""
+    if compression is not None:
+        return None
+    return 1 + sum(len(b) for b in bodies)
+
+
 def _open_exclusive(fs, path: str):
     """Create `path` exclusively ("xb"); an existing file is never overwritten (FORMAT.md §9)."""
     try:
@@ -114,19 +155,24 @@ class StateChangeFsUploader(StateChangeUploader):
         path = f"{self._dir}/{name}"
         local_path = os.path.join(self._local_dir, name) if self._local_dir else None
         created = []
+        size = _file_size(bodies, self.compression)
         try:
             self._ensure_dirs()
-            with _open_exclusive(self._fs, path) as out:
+            opened = (_open_local_exclusive(path, size) if self._local_fs
+                      else _open_exclusive(self._fs, path))
+            with opened as out:
                 created.append("remote")
                 if local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)
                 else:
-                    with open(local_path, "xb") as local_out:
+                    with _open_local_exclusive(local_path, size) as local_out:
                         created.append("local")
                         offsets, logical_size = write_file(
                             _Tee(out, local_out), bodies, compression=self.compression,
                             buffer_size=self.buffer_size)
+                if size is not None and logical_size + 1 != size:  # preallocated: must match exactly
+                    raise RuntimeError(f"wrote {logical_size + 1} bytes to {path}, expected {size}")
         except BaseException as exc:
             if isinstance(exc, OSError):
                 self.metrics.upload_failures.inc()
