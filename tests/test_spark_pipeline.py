@@ -63,7 +63,14 @@ def test_key_group_and_subtask_columns_match_flink_assignment(spark):
     assert sorted((salts.index(r.v), r.p) for r in parts) == [(0, 0), (1, 1), (2, 2)]
 
 
-def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path):
+def _dstl_gc_would_delete(capsys, base) -> str:
+    """Q's `dstl gc` (dry run) over the job's base path, keeping the retained checkpoints."""
+    capsys.readouterr()
+    assert cli.main(["gc", base, "--keep-latest", "2", "--grace", "0s"]) == 0
+    return capsys.readouterr().out
+
+
+def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path, capsys):
     base = str(tmp_path / "job")
     report = _run(spark, *SMALL, "--base-path", base, "--verify")
     assert report.verify == [], report.render()
@@ -73,6 +80,7 @@ def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path):
     assert list_checkpoints(base) == [3, 4]  # retain 2
     assert report.uploaded_files > 0 and report.retained_files > 0
     assert _unreferenced_changelog_files(base, report.job_id) == []
+    assert "0 files (0 bytes) would delete" in _dstl_gc_would_delete(capsys, base)
     out = tmp_path / "job" / "output"
     assert sorted(os.listdir(out)) == [f"batch-{b:06d}" for b in range(4)]
     assert all((out / f"batch-{b:06d}" / "_SUCCESS").exists() for b in range(4))
@@ -89,7 +97,7 @@ def test_task_failure_is_retried_without_duplicates(spark, tmp_path):
     assert _unreferenced_changelog_files(base, report.job_id) == []
 
 
-def test_rescale_2_to_4_to_1(spark, tmp_path):
+def test_rescale_2_to_4_to_1(spark, tmp_path, capsys):
     base = str(tmp_path / "job")
     events = ["--events", "9000", "--batches", "6", "--users", "400", "--items", "60",
               "--materialize-every", "2000"]
@@ -103,6 +111,7 @@ def test_rescale_2_to_4_to_1(spark, tmp_path):
     assert read_checkpoint(base, 6).parallelism == 1
     assert r3.verify == [], r3.render()
     assert _unreferenced_changelog_files(base, r3.job_id) == []
+    assert "0 files (0 bytes) would delete" in _dstl_gc_would_delete(capsys, base)
 
 
 def test_spark_shuffle_routing_verifies(spark, tmp_path):
