@@ -302,3 +302,22 @@ def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     assert compare_state(pipeline.read_checkpoint_state(coord, coord.latest), expected_state) == []
     out, problems = pipeline.read_output(base + "/output")
     assert problems == [] and compare_output(out, expected_out) == []
+
+
+def test_cli_report_json_and_verify_catches_lost_output(spark, tmp_path, capsys):
+    """Through `dstl pipeline` itself (in-process, on the suite's session): exit 0 + JSON report; then
+    a committed output file goes missing and `--resume --verify` (nothing left to run) exits 1."""
+    import json
+
+    base = str(tmp_path / "job")
+    argv = ["pipeline", "--quiet", "--events", "3000", "--batches", "2", "--users", "100", "--items", "20",
+            "--base-path", base, "--verify"]
+    assert cli.main(argv + ["--report-json", str(tmp_path / "r.json")]) == 0
+    assert "verify           OK" in capsys.readouterr().out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["events"] == 3000 and data["verify"] == [] and len(data["details"]) == 2
+    assert data["checkpoint_p99_ms"] >= data["checkpoint_p50_ms"] > 0
+    (tmp_path / "job" / "output" / "batch-000001" / "part-00000.parquet").unlink()
+    assert cli.main(argv + ["--resume"]) == 1
+    out = capsys.readouterr().out
+    assert "verify           FAILED" in out and "missing rows" in out
