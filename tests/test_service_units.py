@@ -151,3 +151,39 @@ def test_file_lock_excludes_and_times_out(tmp_path):
         t.join(10)
     with file_lock(path, timeout_s=1):
         pass
+
+
+def test_uploader_takes_the_file_name_the_service_announced(tmp_path):
+    import uuid as _uuid
+
+    from dstl.format import ChangeBuffer, to_logical
+    from dstl.metrics import ChangelogStorageMetricGroup
+    from dstl.registry import TaskChangelogRegistry
+    from dstl.types import SealedChangeSet
+    from dstl.upload.task import UploadTask
+    from dstl.upload.uploader import StateChangeFsUploader
+
+    job = "0123456789abcdef0123456789abcdef"
+    reg = TaskChangelogRegistry()
+    try:
+        up = StateChangeFsUploader(str(tmp_path), job, None, 1 << 16, reg, ChangelogStorageMetricGroup(),
+                                   str(tmp_path / "local"))
+        buf = ChangeBuffer()
+        buf.append(3, b"abc")
+        body = buf.seal()
+        task = UploadTask([SealedChangeSet(_uuid.UUID(int=1), 0, body, 3, 1)], lambda r: None, lambda s, e: None)
+        name = str(_uuid.uuid4())
+        res = up.upload([task], file_name=name)
+        assert res.handle.path == f"{tmp_path}/{job}/dstl/{name}"
+        assert res.local_handle.path == str(tmp_path / "local" / f"jid_{job}" / "taskowned" / name)
+        assert bytes(to_logical(open(res.handle.path, "rb").read())) == bytes(
+            to_logical(open(res.local_handle.path, "rb").read()))
+        with pytest.raises(FileExistsError):  # an announced name is never overwritten
+            up.upload([task], file_name=name)
+        for bad in ("", "a/b", ".."):
+            with pytest.raises(ValueError, match="invalid changelog file name"):
+                up.upload([task], file_name=bad)
+        default = up.upload([task])  # without a name: a fresh uuid4
+        assert str(_uuid.UUID(os.path.basename(default.handle.path))) == os.path.basename(default.handle.path)
+    finally:
+        reg.close()

@@ -145,13 +145,17 @@ class StateChangeFsUploader(StateChangeUploader):
                     os.makedirs(self._local_dir, exist_ok=True)
                 self._dirs_ready = True
 
-    def upload(self, tasks: Sequence[UploadTask]) -> UploadTasksResult:
+    def upload(self, tasks: Sequence[UploadTask], *, file_name: Optional[str] = None) -> UploadTasksResult:
+        """One attempt. `file_name` (default: a fresh uuid4) is the name of the file in the job's
+        directory; the upload service passes one it announced beforehand."""
+        if file_name is not None and (not file_name or "/" in file_name or file_name in (".", "..")):
+            raise ValueError(f"invalid changelog file name {file_name!r}")
         self.metrics.upload_requests.inc()
         start = time.perf_counter_ns()
         # batch order between tasks, (log id, sqn) order inside a task (FORMAT.md §5.1)
         ordered = [(t, sorted(t.change_sets, key=lambda cs: cs.sort_key())) for t in tasks]
         bodies = [cs.body for _, sets in ordered for cs in sets]
-        name = str(uuid.uuid4())
+        name = file_name if file_name is not None else str(uuid.uuid4())
         path = f"{self._dir}/{name}"
         local_path = os.path.join(self._local_dir, name) if self._local_dir else None
         created = []

@@ -7,7 +7,6 @@ the service applies them in its registry only for the winning attempt.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -70,32 +69,6 @@ def _noop(*_a) -> None:
 _uploaders: Dict[tuple, object] = {}
 
 
-class _FixedName:
-    """Stands in for the uploader module's `uuid` during one attempt: the file name is chosen by the
-    service, which announced it beforehand, so a worker killed mid-write leaves no unknown file."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def uuid4(self) -> str:
-        return self.name
-
-
-@contextlib.contextmanager
-def _file_name(name):
-    import dstl.upload.uploader as up
-
-    if name is None:
-        yield
-        return
-    saved = up.uuid
-    up.uuid = _FixedName(name)  # one attempt at a time per worker process, so this is not racy
-    try:
-        yield
-    finally:
-        up.uuid = saved
-
-
 def intended_url(job: dict) -> str:
     """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
     import fsspec
@@ -145,8 +118,8 @@ def run_attempt(job: dict) -> dict:
                 sets.append(SealedChangeSet(uuid.UUID(bytes=log_id), sqn, view, size, num))
             tasks.append(UploadTask(sets, _noop, _noop))
         try:
-            with _file_name(job.get("file_name")):
-                result = uploader.upload(tasks)
+            # the service chose and announced the name, so a worker killed mid-write leaves no unknown file
+            result = uploader.upload(tasks, file_name=job.get("file_name"))
         except BaseException as exc:
             exc.dstl_metrics = metrics.as_dict()  # type: ignore[attr-defined]
             raise
