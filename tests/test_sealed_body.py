@@ -11,7 +11,22 @@ import pytest
 
 from dstl import format as fmt
 
-from format_helpers import impl_params
+from format_helpers import CYTHON, impl_params
+
+
+@pytest.fixture(autouse=True, params=["whole", "streamed"])
+def write_path(request):
+    """Cython bodies are written whole from a reused buffer up to a size limit and streamed (gathered
+    piece by piece) above it: run every test both ways (the twin has one path)."""
+    if CYTHON is None or request.param == "whole":
+        yield request.param
+        return
+    from dstl._fast import _buffer
+    old = _buffer._set_scatter_max(-1)
+    try:
+        yield request.param
+    finally:
+        _buffer._set_scatter_max(old)
 
 
 def _ops(rng: random.Random):
