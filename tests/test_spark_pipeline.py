@@ -115,10 +115,12 @@ def test_rescale_2_to_4_to_1(spark, tmp_path, capsys):
 
 
 def test_spark_shuffle_routing_verifies(spark, tmp_path):
-    """The generic path: key groups by a pandas UDF, Spark's shuffle routes rows to subtask tasks."""
+    """The generic path: key groups by a pandas UDF, Spark's shuffle routes rows to subtask tasks;
+    a task of batch 1 crashes once and its retry re-reads the shuffle output."""
     report = _run(spark, *SMALL, "--base-path", str(tmp_path / "job"), "--routing", "spark",
-                  "--parallelism", "3", "--verify")
+                  "--parallelism", "3", "--fail-at", "1", "--verify")
     assert report.verify == [], report.render()
+    assert report.fail_restore_ms is not None  # the retried shuffle task restored subtask 0
 
 
 def test_input_csv_with_string_keys(spark, tmp_path):
