@@ -52,16 +52,15 @@ class FsStateChangelogStorage:
         self._cache = None
         mode = self.config.upload_mode
         if mode == "process":
-            if local_recovery_dir:
-                raise ValueError("local recovery is not supported with dstl.dfs.upload.mode 'process'; "
-                                 "use 'thread'")
             try:
                 from dstl.upload.service import open_service_client
             except ImportError as exc:
                 raise ValueError("dstl.dfs.upload.mode 'process' needs the upload service "
                                  "(dstl.upload.service), which is not available; use 'thread' or "
                                  "'direct'") from exc
-            self.scheduler, self.registry = open_service_client(self.config, job_id, self.metric_group)
+            # the service's uploaders write the local copies; their refcounts live in its registry
+            self.scheduler, self.registry = open_service_client(
+                self.config, job_id, self.metric_group, local_recovery_dir=local_recovery_dir)
             self.uploader = None
         elif mode in ("thread", "direct"):
             from dstl.upload.scheduler import StateChangeUploadScheduler

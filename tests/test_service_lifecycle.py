@@ -317,3 +317,61 @@ def test_open_service_client_rejects_a_bad_job_id(runtime, tmp_path):
 
     with pytest.raises(ValueError, match="job_id"):
         open_service_client(StorageConfig(str(tmp_path)), "../escape")
+
+
+def test_storage_local_recovery_in_process_mode(runtime, tmp_path, monkeypatch):
+    """SEMANTICS §10 through the service: the local copy is written by the service's uploader, the
+    result carries a task-local snapshot, and the local registry deletes copies on confirm/reset;
+    truncate releases both copies through the service's registry."""
+    monkeypatch.chdir(tmp_path)  # a relative local directory resolves in the client's directory
+    job = uuid.uuid4().hex
+    s = _storage(tmp_path / "remote", job_id=job, local_recovery_dir="local", batch_persist_delay="0 ms")
+    local_dir = tmp_path / "local" / f"jid_{job}" / "taskowned"
+    names = lambda: sorted(os.listdir(local_dir)) if local_dir.exists() else []  # noqa: E731
+    try:
+        runtime.remember(s.scheduler.service_pid)
+        w = s.create_writer("op", KGR)
+        w.append_meta(b"m")
+        w.append(3, b"abc")
+        r1 = w.persist(0, 1).result(20)
+        remote, local = r1.job_manager_owned_snapshot, r1.task_local_snapshot
+        assert local is not None and local.state_size == remote.state_size
+        [(rh, roff)] = remote.handles_and_offsets
+        [(lh, loff)] = local.handles_and_offsets
+        assert roff == loff and lh.path == str(local_dir / os.path.basename(rh.path))
+        assert open(rh.path, "rb").read() == open(lh.path, "rb").read()
+        it = s.create_reader().get_changes(local)
+        assert [(c.key_group, bytes(c.data)) for c in it] == [(-1, b"m"), (3, b"abc")]
+        assert s.registry.ref_count(rh) == 1 and s.registry.ref_count(lh) == 1
+        # confirm of a later checkpoint that does not use the copy deletes it (local registry)
+        nxt = w.next_sequence_number()
+        w.confirm(0, nxt, 1)
+        assert names() == [os.path.basename(lh.path)]
+        w.append(1, b"b")
+        w.persist(nxt, 2).result(20)
+        assert len(names()) == 2
+        w.confirm(nxt, w.next_sequence_number(), 3)
+        s.local_registry.wait_for_deletions(20)
+        assert names() == []
+        assert os.path.exists(rh.path)  # owned by checkpoint 1
+        # reset of an aborted checkpoint discards its copy
+        start = w.next_sequence_number()
+        w.append(2, b"c")
+        w.persist(start, 5).result(20)
+        assert len(names()) == 1
+        w.reset(start, w.next_sequence_number(), 5)
+        s.local_registry.wait_for_deletions(20)
+        assert names() == []
+        # truncate releases the unconfirmed upload: the service deletes remote and local copy
+        start = w.next_sequence_number()
+        w.append(4, b"d")
+        r6 = w.persist(start, 6).result(20)
+        [(rh6, _)] = r6.job_manager_owned_snapshot.handles_and_offsets
+        [(lh6, _)] = r6.task_local_snapshot.handles_and_offsets
+        assert os.path.exists(lh6.path)
+        w.truncate(w.next_sequence_number())
+        assert s.registry.wait_for_deletions(20)
+        assert not os.path.exists(rh6.path) and not os.path.exists(lh6.path)
+        w.close()
+    finally:
+        s.close()

@@ -598,6 +598,8 @@ def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: O
     config = StorageConfig.of(config)
     if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
         raise ValueError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+    if local_recovery_dir:  # the service resolves paths in its own working directory
+        local_recovery_dir = os.path.abspath(local_recovery_dir)
     paths = ServicePaths.for_config(config)
     connection = ServiceConnection(paths, config, metrics)
     return ProcessUploadScheduler(connection, job_id, local_recovery_dir), ServiceRegistryProxy(connection)
