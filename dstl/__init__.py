@@ -5,8 +5,9 @@ and a Cython-free install still works (see `dstl.IMPLEMENTATION`).
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Dict
+
+from dstl._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -49,14 +50,7 @@ _EXPORTS: Dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dstl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("dstl", _EXPORTS, globals())
 
 
 def __dir__():

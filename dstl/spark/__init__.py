@@ -11,8 +11,9 @@ PySpark, pandas and pyarrow are imported lazily, so `import dstl.spark` is cheap
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any, Dict
+from typing import Dict
+
+from dstl._lazy import lazy_getattr
 
 _EXPORTS: Dict[str, str] = {
     "with_key_group": "dstl.spark.keyed", "with_subtask": "dstl.spark.keyed",
@@ -25,11 +26,4 @@ _EXPORTS: Dict[str, str] = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dstl.spark' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("dstl.spark", _EXPORTS, globals())

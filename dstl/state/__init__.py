@@ -1,8 +1,9 @@
 """State on the changelog: keyed state, operator state (FLIP-8), materialization, checkpoint metadata."""
 from __future__ import annotations
 
-import importlib
-from typing import Any, Dict
+from typing import Dict
+
+from dstl._lazy import lazy_getattr
 
 _EXPORTS: Dict[str, str] = {
     "KeyedStateBackend": "dstl.state.keyed", "ValueState": "dstl.state.keyed",
@@ -19,11 +20,4 @@ _EXPORTS: Dict[str, str] = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dstl.state' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("dstl.state", _EXPORTS, globals())
