@@ -159,3 +159,26 @@ def test_write_file_streams_sealed_bodies(impl, compression):
     assert got.getvalue() == want.getvalue()
     logical = fmt.to_logical(got.getvalue())
     assert bytes(logical) == b"".join(bodies)
+
+
+@impl_params
+def test_bodies_stay_intact_while_buffers_reuse_memory(impl):
+    """Dropped bodies hand their memory to later change sets; live bodies must never be touched."""
+    rng = random.Random(11)
+    buf = impl.ChangeBuffer()
+    kept = []
+    for round_ in range(30):
+        ops = _ops(rng)
+        ref = impl.ChangeBuffer()
+        _fill(ref, ops)
+        _fill(buf, ops)
+        body = buf.seal_body()
+        if round_ % 3 == 0:
+            kept.append((body, ref.seal()))
+        else:
+            assert bytes(body) == ref.seal()
+        del body
+    for body, expected in kept:
+        parts = []
+        body.write_to(lambda v: parts.append(bytes(v)), 4096)
+        assert b"".join(parts) == expected

@@ -61,6 +61,49 @@ cdef inline void put_be32(unsigned char* p, int32_t value) noexcept nogil:
     p[3] = <unsigned char>v
 
 
+cdef enum:
+    SPARE_RECORDS = 4       # record arrays / arenas of sealed bodies kept for the next change sets
+    SPARE_ARENAS = 2
+    SPARE_RECORDS_MAX = 1 << 18  # records (16 B each): at most 16 MiB of idle arrays, plus 16 MiB of arenas
+
+# Sealed bodies take over the buffer's record arrays and arena; when a body is dropped (its upload
+# is done) they come back here, so the next change sets reuse memory that is already mapped instead
+# of growing fresh arrays page fault by page fault. Only touched with the GIL held.
+cdef int32_t* spare_kgs[SPARE_RECORDS]
+cdef int64_t* spare_offs[SPARE_RECORDS]
+cdef int32_t* spare_lens[SPARE_RECORDS]
+cdef int64_t spare_cap[SPARE_RECORDS]
+cdef int nspare_records = 0
+cdef unsigned char* spare_arena[SPARE_ARENAS]
+cdef int64_t spare_arena_cap[SPARE_ARENAS]
+cdef int nspare_arenas = 0
+
+
+cdef void donate_records(int32_t* kgs, int64_t* offs, int32_t* lens, int64_t cap) noexcept:
+    global nspare_records
+    if kgs != NULL and offs != NULL and lens != NULL and nspare_records < SPARE_RECORDS \
+            and cap <= SPARE_RECORDS_MAX:
+        spare_kgs[nspare_records] = kgs
+        spare_offs[nspare_records] = offs
+        spare_lens[nspare_records] = lens
+        spare_cap[nspare_records] = cap
+        nspare_records += 1
+    else:
+        free(kgs)
+        free(offs)
+        free(lens)
+
+
+cdef void donate_arena(unsigned char* arena, int64_t cap) noexcept:
+    global nspare_arenas
+    if arena != NULL and nspare_arenas < SPARE_ARENAS and cap <= KEEP_ARENA:
+        spare_arena[nspare_arenas] = arena
+        spare_arena_cap[nspare_arenas] = cap
+        nspare_arenas += 1
+    else:
+        free(arena)
+
+
 def _immutable(data):
     """Whether `data` can be referenced instead of copied (nobody can change it afterwards)."""
     if type(data) is bytes:
@@ -124,6 +167,17 @@ cdef class ChangeBuffer:
             if self.counts == NULL:
                 raise MemoryError()
             memset(self.counts, 0, NSLOTS * sizeof(int64_t))
+        global nspare_records, nspare_arenas
+        if self.cap == 0 and self.kgs == NULL and nspare_records:
+            nspare_records -= 1
+            self.kgs = spare_kgs[nspare_records]
+            self.offs = spare_offs[nspare_records]
+            self.lens = spare_lens[nspare_records]
+            self.cap = spare_cap[nspare_records]
+        if self.arena_cap == 0 and self.arena == NULL and nbytes and nspare_arenas:
+            nspare_arenas -= 1
+            self.arena = spare_arena[nspare_arenas]
+            self.arena_cap = spare_arena_cap[nspare_arenas]
         want = self.n + records
         if want > self.cap:
             new_cap = self.cap * 2 if self.cap else 1024
@@ -385,6 +439,7 @@ cdef class ChangeBuffer:
                 for i in range(self.run_first[r], stop):
                     self.offs[i] += base
             body.kgs, body.offs, body.lens, body.arena = self.kgs, self.offs, self.lens, self.arena
+            body.cap, body.arena_cap = self.cap, self.arena_cap
             body.sources = self.sources
             self.kgs = NULL
             self.offs = NULL
@@ -453,6 +508,8 @@ cdef class ChangeBuffer:
 
 cdef enum:
     PREFETCH_AHEAD = 24     # records
+    SPARE_WHOLES = 4        # whole-body buffers kept for reuse ...
+    SPARE_BYTES = 48 << 20  # ... holding at most this much idle memory
     CHUNK = 1 << 20         # bytes per streamed piece: stays in L2/L3 between the fill and the write
 
 cdef int64_t scatter_max = 16 << 20  # bodies up to this size are built whole in a reused buffer first
@@ -481,11 +538,13 @@ cdef bytearray _take_whole(int64_t need):
 cdef void _give_whole(bytearray whole):
     if (<PyByteArrayObject*>whole).ob_exports:  # a write callback kept a view: never reuse it
         return
-    if len(_spare_wholes) < 2:
+    # as many as upload threads typically write at once, within a bound on idle memory
+    if len(_spare_wholes) < SPARE_WHOLES and sum(map(len, _spare_wholes)) + len(whole) <= SPARE_BYTES:
         _spare_wholes.append(whole)
-    else:  # keep the two largest
+    elif _spare_wholes:  # prefer keeping larger ones
         _spare_wholes.sort(key=len)
-        if len(<bytearray>_spare_wholes[0]) < len(whole):
+        if len(<bytearray>_spare_wholes[0]) < len(whole) and \
+                sum(map(len, _spare_wholes)) - len(<bytearray>_spare_wholes[0]) + len(whole) <= SPARE_BYTES:
             _spare_wholes[0] = whole
 
 
@@ -524,6 +583,7 @@ cdef class SealedBody:
     cdef int64_t* offs      # absolute payload addresses
     cdef int32_t* lens
     cdef unsigned char* arena
+    cdef int64_t cap, arena_cap  # allocated sizes of the record arrays and the arena
     cdef int64_t* groups    # (key group, count) per group, canonical order
     cdef int64_t* perm      # record indices in canonical order (built on first write)
     cdef list sources
@@ -536,16 +596,15 @@ cdef class SealedBody:
         self.arena = NULL
         self.groups = NULL
         self.perm = NULL
+        self.cap = self.arena_cap = 0
         self.total = 4
         self.n = self.num_groups = 0
         self.sources = []
         self._bytes = None
 
     def __dealloc__(self):
-        free(self.kgs)
-        free(self.offs)
-        free(self.lens)
-        free(self.arena)
+        donate_records(self.kgs, self.offs, self.lens, self.cap)
+        donate_arena(self.arena, self.arena_cap)
         free(self.groups)
         free(self.perm)
 
