@@ -16,21 +16,7 @@ from dstl.state.serializers import PICKLE
 from dstl.storage import open_storage
 from dstl.types import KeyGroupRange
 
-MAXP = 128
-FULL = KeyGroupRange(0, MAXP - 1)
-
-
-@pytest.fixture
-def storage(tmp_path):
-    st = open_storage(str(tmp_path / "cl"), upload_mode="direct")
-    try:
-        yield st
-    finally:
-        st.close()
-
-
-def dump(backend):
-    return {name: dict(state.all_items()) for name, state in backend._states.items()}
+from state_helpers import FULL, MAXP, dump, storage  # noqa: F401  (storage: fixture)
 
 
 def union(backends):

@@ -15,21 +15,7 @@ from dstl.types import KeyGroupRange
 
 from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401  (fixture)
 
-MAXP = 128
-FULL = KeyGroupRange(0, MAXP - 1)
-
-
-@pytest.fixture
-def storage(tmp_path):
-    st = open_storage(str(tmp_path / "cl"), upload_mode="direct")
-    try:
-        yield st
-    finally:
-        st.close()
-
-
-def dump(backend):
-    return {name: dict(state.all_items()) for name, state in backend._states.items()}
+from state_helpers import FULL, MAXP, dump, storage  # noqa: F401  (storage: fixture)
 
 
 def fill(backend, n, start=0):
