@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -18,16 +16,7 @@ import _format_data as fd  # noqa: E402
 GB = 1e9
 
 
-def _median(fn, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-        del result
-    return statistics.median(times)
+from _timing import median_seconds as _median  # noqa: E402
 
 
 def measure(impl, w, body, repeat: int, warmup: int) -> dict:

@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _keygroups_data import int_keys, kernels, string_keys  # noqa: E402
 
 from dstl import keygroups  # noqa: E402
+from _timing import median_seconds  # noqa: E402
 
 GOAL_INT_ROWS_PER_S = 50e6
 
 
 def _median_seconds(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, repeat, warmup=0)
 
 
 def main(argv=None) -> int:

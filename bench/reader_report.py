@@ -8,22 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _reader_data as rd  # noqa: E402
 
 
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm-up (page cache, imports)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from _timing import median_seconds as median_time  # noqa: E402  (one warm-up: page cache, imports)
 
 
 def main() -> int:
