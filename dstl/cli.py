@@ -17,7 +17,11 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dstl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dstl",
+        description="dstl: a durable, Flink-compatible state changelog for PySpark. "
+                    "Inspect changelog files, collect garbage, run the stateful pipeline.",
+        epilog="Run `dstl COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
