@@ -6,7 +6,8 @@ Workloads (public API, local directory, default options, thread mode unless said
   * 8 writers appending and persisting concurrently through the batching scheduler
   * persist latency of small checkpoints (20 changes) with the default 10 ms persist delay
 The ceiling is one `open(...).write` of as many bytes as our files hold; "fraction" = ceiling time /
-our time (1.0 = as fast as the plain write), measured right after each run; dirty pages are
+our time (1.0 = as fast as the plain write), measured right after each run (for the single-writer
+runs also as a ratio of process CPU time, all threads); dirty pages are
 flushed (os.sync) before every timed run. The local disk and page cache dominate, so quote medians.
 
 Usage: .venv/bin/python bench/storage_report.py [--changes N] [--repeat R] [--checkpoints C]
@@ -52,6 +53,9 @@ def main() -> int:
                   "8 writers concurrently, batching", "1 writer, append per change"]
         times = {k: [] for k in labels}
         ratios = {k: [] for k in labels}
+        # CPU time (all threads of the process) of the single-writer runs vs the plain write's:
+        # less sensitive than wall time to other processes on a loaded machine
+        cpu_ratios = {labels[1]: [], labels[2]: []}
         disk, handle, keep = 0, None, None
         for i in range(args.repeat):
             runs = [
@@ -66,12 +70,15 @@ def main() -> int:
                 os.sync()
                 out = fn(base)
                 t = out[0]
+                cpu = sd.LAST_CPU["seconds"] if label in cpu_ratios else None
                 if label == labels[1]:
                     disk = out[2]
                     if keep is None:
                         keep, handle = base, out[1]
                 os.sync()
                 c = sd.plain_write_ceiling(os.path.join(root, "plain"), disk or int(n * sd.VALUE * 1.04))
+                if cpu:
+                    cpu_ratios[label].append(sd.LAST_CPU["seconds"] / cpu)
                 times[label].append(t)
                 times[labels[0]].append(c)
                 ratios[label].append(c / t)
@@ -83,6 +90,8 @@ def main() -> int:
         for label in labels:
             t = median(times[label])
             frac = f"  fraction of ceiling {median(ratios[label]):5.2f}" if ratios[label] else ""
+            if cpu_ratios.get(label):
+                frac += f" (CPU time {median(cpu_ratios[label]):4.2f})"
             print(f"  {label:36s} {t * 1000:9.1f} ms {mb / t:8.1f} MB/s {n / t / 1e6:6.2f} M changes/s{frac}")
         t_read = median([t for t, _ in reads])
         print(f"  {'read back (reader arrays)':36s} {t_read * 1000:9.1f} ms {mb / t_read:8.1f} MB/s "
