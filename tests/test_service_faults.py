@@ -225,49 +225,76 @@ from dstl.types import KeyGroupRange
 base, job, local = sys.argv[1], sys.argv[2], sys.argv[3]
 s = open_storage(base, upload_mode="process", job_id=job)
 w = s.create_writer("op", KeyGroupRange(0, 127))
-out = {"service": s.scheduler.service_pid, "prefix": s.scheduler.connection.prefix, "files": []}
-for i in range(3):
+out = {"service": s.scheduler.service_pid, "prefix": s.scheduler.connection.prefix, "files": [], "handles": []}
+for i in range(4):
     w.append(i, b"c%d" % i)
     h = w.persist(i, 1).result(20).job_manager_owned_snapshot
     out["files"].append(h.handles_and_offsets[-1][0].path)
+    out["handles"].append(h.to_bytes().hex())
 w.confirm(0, 1, 1)                      # the first file belongs to a checkpoint now
 open(os.path.join(local, ".gate"), "w").close()
 w.append(9, b"stuck" * 100)
-w.persist(3, 2)                         # hangs in the uploader: a segment of ours is in flight
+w.persist(4, 2)                         # hangs in the uploader: a segment of ours is in flight
 print(json.dumps(out), flush=True)
 time.sleep(60)
 """
 
+GRACE_MS = 4000
 
-def test_client_killed_with_sigkill_has_its_memory_and_unconfirmed_files_reclaimed(runtime, tmp_path):
+
+def test_client_killed_with_sigkill_its_files_are_orphans_until_the_grace_ends(runtime, tmp_path, monkeypatch):
+    """A dead client's shared memory goes at once; its unconfirmed files become orphans: after the grace
+    period, a file that a checkpoint (written by another process, like a Spark driver) references is
+    kept, and the others are deleted."""
+    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.state.metadata import CheckpointMetadata, SubtaskState, write_checkpoint
+
+    monkeypatch.setenv("DSTL_ORPHAN_GRACE_MS", str(GRACE_MS))
     base = tmp_path / "base"
     base.mkdir()
     job = uuid.uuid4().hex
     proc = python_child(_CLIENT, gate_url(base), job, str(base))
+    keeper = None
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         info = json.loads(line)
         runtime.remember(info["service"])
+        keeper = _storage(gate_url(base), job_id=job)  # another client keeps the service up meanwhile
+        assert keeper.scheduler.service_pid == info["service"]
+        files = [_local(p) for p in info["files"]]
+        # the "driver" completed a checkpoint that references the second file
+        referenced = ChangelogStateHandleStreamImpl.from_bytes(bytes.fromhex(info["handles"][1]))
+        write_checkpoint(gate_url(base), CheckpointMetadata(
+            2, 128, 1, [SubtaskState(0, KGR, changelog=[referenced])], job_id=job))
         _wait(lambda: held_pids(base), what="the hanging upload")
         assert [n for n in os.listdir("/dev/shm") if n.startswith(info["prefix"])], "no segment in flight"
+        killed_at = time.monotonic()
         proc.kill()
         proc.wait(10)
+        _wait(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(info["prefix"])], 20,
+              "the dead client's segments to go")
+        if time.monotonic() - killed_at < GRACE_MS / 1000 - 0.5:  # checkable only while the grace runs
+            assert all(os.path.exists(f) for f in files), "an orphan was deleted before its grace period"
         os.unlink(base / ".gate")
-
-        def reclaimed():
-            return not [n for n in os.listdir("/dev/shm") if n.startswith(info["prefix"])] and \
-                not any(os.path.exists(_local(p)) for p in info["files"][1:])
-
-        _wait(reclaimed, 20, "the dead client's segments and unconfirmed files to go")
-        assert os.path.exists(_local(info["files"][0])), "a confirmed file must survive its writer's death"
-        # the upload that was in flight finished after the death: its file is released as well
-        _wait(lambda: _files(base, job) == [os.path.basename(info["files"][0])], 20, "the late file to go")
+        _wait(lambda: not os.path.exists(files[2]) and not os.path.exists(files[3]), 30,
+              "the unreferenced orphans to go")
+        assert time.monotonic() - killed_at >= GRACE_MS / 1000 - 0.2
+        assert os.path.exists(files[0]), "a confirmed file must survive its writer's death"
+        assert os.path.exists(files[1]), "a file a complete checkpoint references must survive"
+        _wait(lambda: keeper.registry.ref_count(referenced.handles_and_offsets[0][0]) is None, 10,
+              "the referenced orphan to be untracked (the checkpoint owns it)")
+        # the upload that was in flight finished after the death: its file goes after the grace as well
+        _wait(lambda: _files(base, job) == sorted(os.path.basename(f) for f in files[:2]), 30,
+              "the late file to go")
+        assert _read(keeper, referenced) == [(1, b"c1")]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
         proc.stderr.close()
+        if keeper is not None:
+            keeper.close()
 
 
 def test_a_stopped_service_fails_pending_uploads_instead_of_hanging(runtime, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 
@@ -22,9 +23,10 @@ def test_state_counts_shares_and_deletes_exactly_at_zero():
     assert s.ref_count("f") == 2
     assert s.apply(["release", 2, "f", "a"]) == []  # the same id again: ignored (re-sent after a restart)
     assert s.ref_count("f") == 2
-    assert s.apply(["drop_client", 3, "b"]) == []  # b's one share
-    assert s.ref_count("f") == 1
-    assert s.apply(["release", 4, "f", "a"]) == ["f"]
+    assert s.apply(["drop_client", 3, "b", 0]) == []  # b's one share becomes an orphan, still counted
+    assert s.ref_count("f") == 2 and s.orphans == {"f": [0, 1]}
+    assert s.apply(["release", 4, "f", "a"]) == []
+    assert s.resolve_orphan("f", keep=False) == ["f"]  # after the grace, unreferenced
     assert s.ref_count("f") is None and s.pending_delete == {"f"}
     # stop_tracking: the checkpoint owns the file; later releases never delete it
     s.apply(["start", 5, "g", 1, {"a": 1}])
@@ -187,3 +189,97 @@ def test_uploader_takes_the_file_name_the_service_announced(tmp_path):
         assert str(_uuid.UUID(os.path.basename(default.handle.path))) == os.path.basename(default.handle.path)
     finally:
         reg.close()
+
+
+def test_a_dead_clients_shares_become_orphans_that_survive_a_restart(tmp_path):
+    j = Journal(str(tmp_path / "j"))
+    s = j.load()
+    ops = [["start", 1, "shared", 3, {"dead": 2, "live": 1}], ["start", 2, "alone", 1, {"dead": 1}],
+           ["start", 3, "other", 1, {"live": 1}], ["drop_client", 4, "dead", 1000]]
+    for op in ops:
+        assert s.apply(op) == []  # nothing is deleted when a client dies
+        j.append(op)
+    assert s.orphans == {"shared": [1000, 2], "alone": [1000, 1]}
+    assert s.ref_count("shared") == 3 and s.expired_orphans(1999, 1000) == []
+    assert s.expired_orphans(2000, 1000) == ["alone", "shared"]
+    j.close()
+    s2 = Journal(str(tmp_path / "j")).load()  # replayed: the orphans and their times are back
+    assert s2.orphans == s.orphans and s2.ref_count("shared") == 3
+    # not referenced: the dead client's shares are released; the live share still holds "shared"
+    assert s2.resolve_orphan("shared", keep=False) == []
+    assert s2.ref_count("shared") == 1 and s2.apply(["release", 5, "shared", "live"]) == ["shared"]
+    # referenced by a checkpoint: untracked, never deleted by later releases
+    assert s2.resolve_orphan("alone", keep=True) == [] and s2.ref_count("alone") is None
+    assert s2.orphans == {}
+    # a compacted snapshot keeps orphans too
+    j3 = Journal(str(tmp_path / "k"))
+    s3 = j3.load()
+    for op in ops:
+        s3.apply(op)
+    j3.compact(s3)
+    j3.close()
+    assert Journal(str(tmp_path / "k")).load().orphans == {"shared": [1000, 2], "alone": [1000, 1]}
+
+
+def test_orphan_sweep_keeps_referenced_and_unreadable_deletes_the_rest(tmp_path, caplog):
+    import logging
+
+    from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+    from dstl.state.metadata import CheckpointMetadata, SubtaskState, write_checkpoint
+    from dstl.types import KeyGroupRange
+    from dstl.upload.service.registry_proc import _Registry
+
+    base = tmp_path / "base"
+    files = []
+    for i in range(3):
+        f = base / "job" / "dstl" / f"f{i}"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"\0" + b"x" * 10)
+        files.append(str(f))
+    reg = _Registry(None, str(tmp_path / "journal"), 1, str(base), grace_ms=1000)
+
+    def op(o):
+        with reg.lock:
+            reg.state.apply(o)
+            reg.journal.append(o)
+
+    for n, path in enumerate(files):
+        op(["start", n + 1, path, 1, {"dead": 1}])
+    op(["drop_client", 10, "dead", int(time.time() * 1000)])
+    handle = ChangelogStateHandleStreamImpl([(StreamStateHandle(files[0], 10), 0)], KeyGroupRange(0, 7), 10)
+    write_checkpoint(str(base), CheckpointMetadata(7, 128, 1, [SubtaskState(0, KeyGroupRange(0, 7),
+                                                                            changelog=[handle])]))
+    reg.sweep()  # within the grace period: nothing happens
+    assert sorted(reg.state.orphans) == sorted(files)
+    with reg.lock:  # pretend the grace period is over
+        for o in reg.state.orphans.values():
+            o[0] -= 5000
+    reg.sweep()
+    wait(list(reg.futures))
+    assert os.path.exists(files[0]) and not os.path.exists(files[1]) and not os.path.exists(files[2])
+    assert reg.state.orphans == {} and reg.state.ref_count(files[0]) is None
+    # unreadable checkpoint metadata: the orphan is kept (logged), not deleted
+    f = base / "job" / "dstl" / "f3"
+    f.write_bytes(b"\0")
+    op(["start", 11, str(f), 1, {"d2": 1}])
+    op(["drop_client", 12, "d2", 0])
+    (base / "checkpoints" / "chk-8").mkdir()
+    (base / "checkpoints" / "chk-8" / "_metadata").write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING, logger="dstl.upload.service.registry"):
+        reg.sweep()
+    wait(list(reg.futures))
+    assert f.exists() and reg.state.orphans == {} and "cannot be read" in caplog.text
+    reg.finish()
+    # the decisions are journaled: a restarted registry does not revisit them
+    again = Journal(str(tmp_path / "journal")).load()
+    assert again.orphans == {} and again.entries == {} and again.pending_delete == set()
+
+
+def test_orphan_grace_comes_from_the_environment():
+    from dstl.upload.service.registry_proc import DEFAULT_ORPHAN_GRACE_MS, orphan_grace_ms
+
+    assert orphan_grace_ms({}) == DEFAULT_ORPHAN_GRACE_MS == 600_000
+    assert orphan_grace_ms({"DSTL_ORPHAN_GRACE_MS": "250"}) == 250
+    for bad in ("-1", "ten", "1.5"):
+        with pytest.raises(ValueError, match="DSTL_ORPHAN_GRACE_MS"):
+            orphan_grace_ms({"DSTL_ORPHAN_GRACE_MS": bad})

@@ -598,6 +598,9 @@ def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: O
     config = StorageConfig.of(config)
     if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
         raise ValueError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+    from dstl.upload.service.registry_proc import orphan_grace_ms
+
+    orphan_grace_ms()  # a bad DSTL_ORPHAN_GRACE_MS is reported here, not only in the service's log
     if local_recovery_dir:  # the service resolves paths in its own working directory
         local_recovery_dir = os.path.abspath(local_recovery_dir)
     paths = ServicePaths.for_config(config)

@@ -23,8 +23,9 @@ log = logging.getLogger("dstl.upload.service.forwarder")
 class RegistryForwarder:
     """Owns the registry process; `submit(kind, *args)` is asynchronous, `query(...)` waits for a reply."""
 
-    def __init__(self, ctx, journal_dir: str, discard_threads: int):
+    def __init__(self, ctx, journal_dir: str, discard_threads: int, checkpoints_base: Optional[str] = None):
         self._ctx = ctx
+        self._checkpoints_base = checkpoints_base
         self._journal_dir = journal_dir
         self._discard_threads = discard_threads
         self._lock = threading.Lock()
@@ -54,7 +55,8 @@ class RegistryForwarder:
         from dstl.upload.service.registry_proc import registry_main
 
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=registry_main, args=(child, self._journal_dir, self._discard_threads),
+        proc = self._ctx.Process(target=registry_main, args=(child, self._journal_dir, self._discard_threads,
+                                                               self._checkpoints_base),
                                  name="dstl-registry", daemon=False)
         proc.start()
         child.close()

@@ -1,6 +1,7 @@
 """The registry's state on local disk: an append-only journal of operations plus a compacted snapshot.
 
-State = tracked files (path -> [count, {client: outstanding}]) and files waiting for deletion.
+State = tracked files (path -> [count, {client: outstanding}]), orphans (files a dead client still held
+a share of: path -> [since wall-clock ms, outstanding]) and files waiting for deletion.
 Every operation carries an id given by the service; the journal records it, so after a restart the
 service re-sends only what the registry had not applied (exactly-once, no double release).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Dict, List, Optional, Set
 
 log = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ class RegistryState:
     def __init__(self) -> None:
         self.entries: Dict[str, List] = {}  # path -> [count, {client: outstanding}]
         self.pending_delete: Set[str] = set()
+        self.orphans: Dict[str, List[int]] = {}  # path -> [since_ms, outstanding change sets]
         self.last_id = 0
 
     def apply(self, op: list) -> List[str]:
@@ -38,16 +41,25 @@ class RegistryState:
         if kind == "start":
             _, _, path, n, owners = op
             self.entries[path] = [int(n), {str(c): int(k) for c, k in (owners or {}).items()}]
+            self.orphans.pop(path, None)
         elif kind == "stop":
             self.entries.pop(op[2], None)
+            self.orphans.pop(op[2], None)
         elif kind == "release":
             self._release(op[2], op[3], 1, doomed)
         elif kind == "drop_client":
+            # A dead client's shares are not released: a checkpoint written by someone else (a Spark
+            # driver) may already reference the file. They become orphans, resolved after a grace
+            # period by `resolve_orphan` (kept if a checkpoint references the file, else released).
             client = str(op[2])
+            since = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
             for path in [p for p, (_, shares) in self.entries.items() if shares.get(client)]:
-                self._release(path, client, self.entries[path][1][client], doomed)
+                outstanding = self.entries[path][1].pop(client)
+                orphan = self.orphans.setdefault(path, [since, 0])
+                orphan[1] += outstanding
         elif kind == "discard":
             self.entries.pop(op[2], None)
+            self.orphans.pop(op[2], None)
             doomed.append(op[2])
         elif kind == "deleted":
             self.pending_delete.discard(op[2])
@@ -55,6 +67,23 @@ class RegistryState:
             raise ValueError(f"unknown registry operation {kind!r}")
         self.pending_delete.update(doomed)
         return doomed
+
+    def resolve_orphan(self, path: str, keep: bool) -> List[str]:
+        """Settle an orphan: `keep` (a checkpoint references it) untracks the file like `stop`;
+        otherwise its outstanding change sets are released (deleted at 0). Returns deletable paths."""
+        orphan = self.orphans.pop(path, None)
+        doomed: List[str] = []
+        if orphan is None or path not in self.entries:
+            return doomed
+        if keep:
+            del self.entries[path]
+        else:
+            self._release(path, None, orphan[1], doomed)
+        self.pending_delete.update(doomed)
+        return doomed
+
+    def expired_orphans(self, now_ms: int, grace_ms: int) -> List[str]:
+        return sorted(p for p, (since, _) in self.orphans.items() if since + grace_ms <= now_ms)
 
     def _release(self, path: str, client: Optional[str], times: int, doomed: List[str]) -> None:
         entry = self.entries.get(path)
@@ -71,6 +100,7 @@ class RegistryState:
         entry[0] -= times
         if entry[0] <= 0:
             del self.entries[path]
+            self.orphans.pop(path, None)
             doomed.append(path)
 
     def ref_count(self, path: str) -> Optional[int]:
@@ -78,7 +108,8 @@ class RegistryState:
         return None if entry is None else entry[0]
 
     def to_json(self) -> dict:
-        return {"last_id": self.last_id, "entries": self.entries, "pending_delete": sorted(self.pending_delete)}
+        return {"last_id": self.last_id, "entries": self.entries, "pending_delete": sorted(self.pending_delete),
+                "orphans": self.orphans}
 
     @classmethod
     def from_json(cls, d: dict) -> "RegistryState":
@@ -86,6 +117,7 @@ class RegistryState:
         s.last_id = int(d.get("last_id", 0))
         s.entries = {p: [int(v[0]), {str(c): int(k) for c, k in v[1].items()}] for p, v in d["entries"].items()}
         s.pending_delete = set(d.get("pending_delete", ()))
+        s.orphans = {p: [int(v[0]), int(v[1])] for p, v in d.get("orphans", {}).items()}
         return s
 
 
@@ -139,6 +171,8 @@ class Journal:
     def _replay(state: RegistryState, op: list) -> None:
         if op[0] == "deleted":
             state.pending_delete.discard(op[2])
+        elif op[0] == "orphan":  # ["orphan", 0, path, keep]: the registry's own decision, a fact
+            state.resolve_orphan(op[2], bool(op[3]))
         else:
             state.apply(op)
 

@@ -11,6 +11,12 @@ service (one pipe):
 
 On start it takes the journal lock (a previous registry may still be finishing), replays the journal,
 re-schedules deletions that had not completed, and says `("hello", last_op_id, pid)`.
+
+Orphans (files a dead client held shares of) are settled by a sweeper thread once they are older than
+the grace period (`DSTL_ORPHAN_GRACE_MS`, default 10 minutes): a file that a complete checkpoint under
+`<base path>/checkpoints` references is kept (untracked, like a confirm); otherwise its outstanding
+shares are released. Unreadable checkpoint metadata keeps the file (logged; `dstl gc` is the safety
+net); an I/O error while listing postpones the decision to the next sweep.
 """
 from __future__ import annotations
 
@@ -18,22 +24,116 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Optional, Set
 
 from dstl.upload.service.journal import Journal
 from dstl.upload.service.runtime import file_lock
 
 log = logging.getLogger("dstl.upload.service.registry")
 
+DEFAULT_ORPHAN_GRACE_MS = 600_000
+ORPHAN_GRACE_ENV = "DSTL_ORPHAN_GRACE_MS"
+
+
+def orphan_grace_ms(environ=None) -> int:
+    """The grace period before a dead client's files may be deleted, from DSTL_ORPHAN_GRACE_MS."""
+    raw = (os.environ if environ is None else environ).get(ORPHAN_GRACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ORPHAN_GRACE_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ORPHAN_GRACE_ENV} must be a whole number of milliseconds >= 0, got {raw!r}")
+    return value
+
+
+class _ListingError(Exception):
+    """Checkpoints could not be listed or read for a transient reason: decide at the next sweep."""
+
+
+def referenced_files(checkpoints_base: str) -> Optional[Set[str]]:
+    """Comparable keys of every file the complete checkpoints under `checkpoints_base` reference;
+    None if some checkpoint's metadata cannot be decoded (then nothing may be deleted)."""
+    from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
+    from dstl.tools.gc import _key_of_url
+
+    try:
+        ids = list_checkpoints(checkpoints_base)
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        raise _ListingError(str(exc)) from exc
+    metas = []
+    for cp in ids:
+        try:
+            metas.append(read_checkpoint(checkpoints_base, cp))
+        except FileNotFoundError:
+            continue  # removed (retention) while we looked
+        except OSError as exc:
+            raise _ListingError(str(exc)) from exc
+        except Exception:
+            log.warning("checkpoint %d under %s cannot be read", cp, checkpoints_base, exc_info=True)
+            return None
+    return {_key_of_url(f) for f in retained_files(metas)}
+
 
 class _Registry:
-    def __init__(self, conn, journal_dir: str, discard_threads: int):
+    def __init__(self, conn, journal_dir: str, discard_threads: int, checkpoints_base: Optional[str] = None,
+                 grace_ms: int = DEFAULT_ORPHAN_GRACE_MS):
         self.conn = conn
         self.journal = Journal(journal_dir)
         self.state = self.journal.load()
-        self.lock = threading.Lock()  # journal + state, shared with the discard threads
+        self.lock = threading.Lock()  # journal + state, shared with the discard and sweeper threads
         self.pool = ThreadPoolExecutor(max(1, discard_threads), thread_name_prefix="dstl-discard")
         self.futures = set()
+        self.checkpoints_base = checkpoints_base
+        self.grace_ms = grace_ms
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="dstl-orphan-sweeper", daemon=True)
+
+    def start_sweeper(self) -> None:
+        self._sweeper.start()
+
+    def _sweep_loop(self) -> None:
+        interval = min(30.0, max(0.05, self.grace_ms / 4000.0))
+        while not self._stop.wait(interval):
+            try:
+                self.sweep()
+            except Exception:
+                log.warning("orphan sweep failed (retried at the next sweep)", exc_info=True)
+
+    def sweep(self) -> None:
+        """Settle the orphans older than the grace period (see the module docstring)."""
+        from dstl.tools.gc import _key_of_url
+
+        with self.lock:
+            expired = self.state.expired_orphans(int(time.time() * 1000), self.grace_ms)
+        if not expired:
+            return
+        referenced: Optional[Set[str]] = set()
+        if self.checkpoints_base:
+            try:
+                referenced = referenced_files(self.checkpoints_base)
+            except _ListingError as exc:
+                log.warning("cannot list the checkpoints under %s (%s): %d orphaned changelog file(s) wait "
+                            "for the next sweep", self.checkpoints_base, exc, len(expired))
+                return
+        for path in expired:
+            if referenced is None:
+                keep = True
+                log.warning("keeping orphaned changelog file %s: checkpoint metadata cannot be read "
+                            "(`dstl gc` can delete it later)", path)
+            else:
+                keep = _key_of_url(path) in referenced
+            with self.lock:
+                doomed = self.state.resolve_orphan(path, keep)
+                self.journal.append(["orphan", 0, path, keep])
+            for d in doomed:
+                self.schedule_delete(d)
 
     def schedule_delete(self, path: str) -> None:
         fut = self.pool.submit(self._delete, path)
@@ -77,13 +177,16 @@ class _Registry:
         return True
 
     def finish(self) -> None:
+        self._stop.set()
+        if self._sweeper.is_alive():
+            self._sweeper.join(60)
         self.pool.shutdown(wait=True)
         with self.lock:
             self.journal.compact(self.state)
             self.journal.close()
 
 
-def registry_main(conn, journal_dir: str, discard_threads: int) -> None:
+def registry_main(conn, journal_dir: str, discard_threads: int, checkpoints_base: Optional[str] = None) -> None:
     """Entry point of the registry process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped by its service, not by a terminal's ^C
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s registry %(levelname)s %(message)s")
@@ -92,9 +195,15 @@ def registry_main(conn, journal_dir: str, discard_threads: int) -> None:
     _preload_user_modules()  # file systems registered by user modules must be deletable here too
     os.makedirs(journal_dir, mode=0o700, exist_ok=True)
     with file_lock(os.path.join(journal_dir, "lock"), timeout_s=60):
-        reg = _Registry(conn, journal_dir, discard_threads)
+        try:
+            grace = orphan_grace_ms()
+        except ValueError:
+            log.warning("invalid %s; using the default", ORPHAN_GRACE_ENV, exc_info=True)
+            grace = DEFAULT_ORPHAN_GRACE_MS
+        reg = _Registry(conn, journal_dir, discard_threads, checkpoints_base, grace)
         for path in sorted(reg.state.pending_delete):
             reg.schedule_delete(path)
+        reg.start_sweeper()
         conn.send(("hello", reg.state.last_id, os.getpid()))
         try:
             while True:

@@ -172,7 +172,8 @@ class UploadService:
         os.replace(self.paths.pid_file + ".tmp", self.paths.pid_file)
         self.ctx = service_context()
         self.pool = UploaderPool(self.ctx, self.config.upload_num_threads)
-        self.registry = RegistryForwarder(self.ctx, self.paths.journal_dir, self.config.discard_num_threads)
+        self.registry = RegistryForwarder(self.ctx, self.paths.journal_dir, self.config.discard_num_threads,
+                                          self.config.base_path)
         self.executor = RetryingExecutor(self.config.upload_num_threads)
         threading.Thread(target=self._start_children, name="dstl-start-children", daemon=True).start()
         threading.Thread(target=self._accept_loop, name="dstl-accept", daemon=True).start()
@@ -422,7 +423,7 @@ class UploadService:
                 dead.add(t.client)
         for c in dead:
             if not c.closing:
-                self.registry.submit("drop_client", c.cid)
+                self.registry.submit("drop_client", c.cid, int(time.time() * 1000))
         self._after_finish(action.tasks)
 
     def batch_failed(self, action: _BatchAction, exc: BaseException) -> None:
@@ -479,9 +480,11 @@ class UploadService:
             self._release(t.size)
             self._finish_task(t)
         if not client.closing:
-            log.warning("client %s (pid %s) disconnected without closing: reclaiming its files and memory",
+            log.warning("client %s (pid %s) disconnected without closing: reclaiming its memory; its "
+                        "unconfirmed files become orphans (deleted after the grace period unless a "
+                        "checkpoint references them)",
                         client.cid, client.pid)
-            self.registry.submit("drop_client", client.cid)
+            self.registry.submit("drop_client", client.cid, int(time.time() * 1000))
         for name in shm.list_segments(client.prefix):
             if name not in in_use:
                 shm.unlink(name)
