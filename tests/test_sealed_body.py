@@ -182,3 +182,26 @@ def test_bodies_stay_intact_while_buffers_reuse_memory(impl):
         parts = []
         body.write_to(lambda v: parts.append(bytes(v)), 4096)
         assert b"".join(parts) == expected
+
+
+@impl_params
+def test_views_pickles_and_equality(impl):
+    import gc
+    import pickle
+
+    buf, ref = impl.ChangeBuffer(), impl.ChangeBuffer()
+    for b in (buf, ref):
+        b.append(3, b"abc")
+        b.append(-1, b"m")
+    expected = ref.seal()
+    body = buf.seal_body()
+    view = memoryview(body)
+    del body
+    gc.collect()
+    assert view.tobytes() == expected  # the view keeps what it points to alive
+    view.release()
+    buf.append(3, b"abc")
+    buf.append(-1, b"m")
+    body = buf.seal_body()
+    assert bytes(pickle.loads(pickle.dumps(body))) == expected
+    assert body == expected and len(body) == len(expected)

@@ -814,10 +814,12 @@ cdef class SealedBody:
         return self.tobytes()
 
     def __getbuffer__(self, Py_buffer* buffer, int flags):
+        # the export is the built bytes object's own (buffer.obj is that object, which the view keeps)
         PyObject_GetBuffer(self.tobytes(), buffer, flags)
 
-    def __releasebuffer__(self, Py_buffer* buffer):
-        PyBuffer_Release(buffer)
+    def __reduce__(self):
+        # a pickled body is its bytes (the records point into this process's memory)
+        return (bytes, (self.tobytes(),))
 
     def __eq__(self, other):
         try:
