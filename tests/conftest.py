@@ -113,3 +113,13 @@ def spark():
         yield session
     finally:
         session.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dstl_upload_services():
+    """Upload services started during the session (process mode is the default) live in a private
+    runtime directory and are stopped by PID at session end (tests/service_util.py)."""
+    from service_util import session_runtime
+
+    with session_runtime():
+        yield

@@ -211,3 +211,58 @@ def stop_services(storages) -> None:
             except ProcessLookupError:
                 pass
         shutil.rmtree(conn.paths.directory, ignore_errors=True)
+
+
+def _is_service(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dstl.upload.service.server" in f.read()
+    except OSError:
+        return False
+
+
+def stop_services_under(root: str, timeout: float = 15.0) -> List[int]:
+    """Stop, by PID, every upload service whose pid file is under `root` and still runs the service
+    (a recycled pid is left alone), with its children: SIGTERM, then SIGKILL after `timeout`.
+    Returns the service pids that were still running."""
+    if not os.path.isdir(root):
+        return []
+    pids = [p for p in service_pids(root) if _is_service(p)]
+    family = []
+    for p in pids:
+        family += [p] + children_of(p)
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in wait_dead(family, timeout):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+class session_runtime:
+    """A private DSTL_RUNTIME_DIR for a whole test session (tests/conftest.py): every service that the
+    session's storages start without their own runtime lives there, and is stopped by PID at the end."""
+
+    def __enter__(self) -> str:
+        self.saved = os.environ.get("DSTL_RUNTIME_DIR")
+        self.root = tempfile.mkdtemp(prefix="dqs", dir="/tmp")
+        os.environ["DSTL_RUNTIME_DIR"] = self.root
+        return self.root
+
+    def __exit__(self, *exc) -> None:
+        import shutil
+
+        try:
+            stopped = stop_services_under(self.root)
+            if stopped:
+                sys.stderr.write(f"\nstopped {len(stopped)} upload service(s) left by the session\n")
+        finally:
+            if self.saved is None:
+                os.environ.pop("DSTL_RUNTIME_DIR", None)
+            else:
+                os.environ["DSTL_RUNTIME_DIR"] = self.saved
+            shutil.rmtree(self.root, ignore_errors=True)

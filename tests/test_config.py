@@ -37,7 +37,7 @@ def test_defaults_are_flinks():
     assert c.max_attempts == 3
     assert c.next_attempt_delay_ms == 500
     assert c.cache_idle_timeout_ms == 600_000
-    assert c.upload_mode == "thread"
+    assert c.upload_mode == "process"  # OPTIONS.md default now that the upload service exists
 
 
 def test_every_option_in_both_spellings():
