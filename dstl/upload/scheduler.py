@@ -43,9 +43,11 @@ class StateChangeUploadScheduler(abc.ABC):
     @staticmethod
     def from_config(config, uploader, metrics, executor=None, retry_policy=None
                     ) -> "BatchingStateChangeUploadScheduler":
-        """The batching scheduler built from a `StorageConfig` (thread mode)."""
+        """The batching scheduler built from a `StorageConfig` or a mapping of option keys (thread mode)."""
+        from dstl.config import StorageConfig
         from dstl.upload.retry import RetryingExecutor, RetryPolicy
 
+        config = StorageConfig.of(config)  # a mapping of Flink keys, like the storage accepts
         if retry_policy is None:
             retry_policy = RetryPolicy.from_config(config)
         if executor is None:
