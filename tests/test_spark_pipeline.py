@@ -314,11 +314,19 @@ def test_cli_report_json_and_verify_catches_lost_output(spark, tmp_path, capsys)
     base = str(tmp_path / "job")
     argv = ["pipeline", "--quiet", "--events", "3000", "--batches", "2", "--users", "100", "--items", "20",
             "--base-path", base, "--verify"]
-    assert cli.main(argv + ["--report-json", str(tmp_path / "r.json")]) == 0
-    assert "verify           OK" in capsys.readouterr().out
+    loud = [a for a in argv if a != "--quiet"]  # the first run shows its progress bar
+    assert cli.main(loud + ["--report-json", str(tmp_path / "r.json")]) == 0
+    captured = capsys.readouterr()
+    assert "verify           OK" in captured.out
+    bars = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert [line.split("] ")[1].split()[0] for line in bars] == ["1/2", "2/2"], captured.err  # one per batch
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["events"] == 3000 and data["verify"] == [] and len(data["details"]) == 2
     assert data["checkpoint_p99_ms"] >= data["checkpoint_p50_ms"] > 0
+    # the final report's other figures (issue 6): events/s, bytes and files uploaded, restore time, state size
+    assert data["events_per_s"] > 0 and data["uploaded_files"] > 0 and data["uploaded_bytes"] > 0
+    assert data["state_size"] > 0 and data["verify_restore_ms"] is not None and data["verify_restore_ms"] >= 0
+    assert isinstance(data["restores"], list)
     (tmp_path / "job" / "output" / "batch-000001" / "part-00000.parquet").unlink()
     assert cli.main(argv + ["--resume"]) == 1
     out = capsys.readouterr().out
