@@ -283,3 +283,43 @@ def test_orphan_grace_comes_from_the_environment():
     for bad in ("-1", "ten", "1.5"):
         with pytest.raises(ValueError, match="DSTL_ORPHAN_GRACE_MS"):
             orphan_grace_ms({"DSTL_ORPHAN_GRACE_MS": bad})
+
+
+def test_sealed_bodies_stream_into_the_segment_between_plain_buffers():
+    from dstl.format import ChangeBuffer
+
+    bodies, expected = [], []
+    for n in (3, 50_000, 1):  # the middle body spans several streamed pieces
+        b = ChangeBuffer()
+        for i in range(n):
+            b.append(i % 7, b"%d" % i * 7)
+        body = b.seal_body()
+        expected.append(body.tobytes())
+        bodies.append(body)
+    bodies.insert(1, b"plain")
+    expected.insert(1, b"plain")
+    prefix = shm.segment_prefix(f"{os.getpid()}xstream", os.getpid(), "t1")
+    name = prefix + "1"
+    try:
+        total, spans = shm.create_segment(name, bodies)
+        assert [n for _, n in spans] == [len(e) for e in expected] and total == sum(map(len, expected))
+        seg = shm.attach(name)
+        assert [bytes(seg.buf[o:o + n]) for o, n in spans] == expected
+        seg.close()
+    finally:
+        shm.sweep(prefix)
+
+    class Liar:  # claims more bytes than it streams: the segment must not be trusted
+        def __len__(self):
+            return 10
+
+        def write_to(self, write, chunk_size=1 << 20):
+            write(memoryview(b"short"))
+            return 5
+
+    try:
+        with pytest.raises(RuntimeError, match="streamed 5 bytes, but its length is 10"):
+            shm.create_segment(name, [Liar()])
+        assert shm.list_segments(prefix) == []  # removed on failure
+    finally:
+        shm.sweep(prefix)

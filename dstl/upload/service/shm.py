@@ -48,21 +48,34 @@ def create_segment(name: str, bodies: Sequence, reuse: bool = False) -> Tuple[in
     the one copy then costs what a page-cache write costs (no page-fault per 4 KiB page), and a full
     /dev/shm is a clean ENOSPC OSError here instead of a SIGBUS on a mapped page later.
     """
-    views = [b if isinstance(b, memoryview) else memoryview(b) for b in bodies]
-    views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+    items = []  # (memoryview or streaming body, length)
+    for b in bodies:
+        if _streams(b):
+            items.append((b, len(b)))
+        else:
+            v = b if isinstance(b, memoryview) else memoryview(b)
+            v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+            items.append((v, v.nbytes))
     spans = []
     pos = 0
-    for v in views:
-        spans.append((pos, v.nbytes))
-        pos += v.nbytes
+    for _, n in items:
+        spans.append((pos, n))
+        pos += n
     fd = _shm_open(name, os.O_RDWR if reuse else os.O_CREAT | os.O_EXCL | os.O_RDWR)
     try:
         try:
             if pos == 0:
                 os.ftruncate(fd, 1)  # a zero-size segment cannot be mapped by the reader
-            done = 0
-            while done < pos:  # writev may write less than asked (large totals, signals)
-                done += os.pwritev(fd, _rest(views, done), done)
+            at = 0
+            views: List[memoryview] = []
+            for obj, n in items:
+                if isinstance(obj, memoryview):
+                    views.append(obj)
+                    continue
+                at = _write_views(fd, views, at)
+                views = []
+                at = _write_stream(fd, obj, n, at)
+            _write_views(fd, views, at)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise OSError(exc.errno, f"shared memory ({SHM_DIR}) is full: cannot hold {pos} bytes "
@@ -77,6 +90,38 @@ def create_segment(name: str, bodies: Sequence, reuse: bool = False) -> Tuple[in
 
 
 _IOV_MAX = 1024
+
+
+def _streams(body) -> bool:
+    """A body that produces its bytes while it is written (the Cython `SealedBody`): streamed into the
+    segment piece by piece, so the writer never builds the whole body (its only copy is this one)."""
+    return not isinstance(body, (bytes, bytearray, memoryview)) and hasattr(body, "write_to")
+
+
+def _write_views(fd: int, views: List[memoryview], at: int) -> int:
+    total = sum(v.nbytes for v in views)
+    done = 0
+    while done < total:  # writev may write less than asked (large totals, signals)
+        done += os.pwritev(fd, _rest(views, done), at + done)
+    return at + total
+
+
+def _write_stream(fd: int, body, length: int, at: int) -> int:
+    pos = at
+
+    def write(piece) -> None:
+        nonlocal pos
+        v = piece if isinstance(piece, memoryview) else memoryview(piece)
+        v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+        off = 0
+        while off < v.nbytes:
+            off += os.pwrite(fd, v[off:], pos + off)
+        pos += v.nbytes
+
+    body.write_to(write)
+    if pos - at != length:
+        raise RuntimeError(f"a sealed body streamed {pos - at} bytes, but its length is {length}")
+    return pos
 
 
 def _rest(views, skip: int):
