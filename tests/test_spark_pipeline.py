@@ -141,6 +141,24 @@ def test_input_csv_with_string_keys(spark, tmp_path):
     assert out["user_id"].str.startswith("user-").all()
 
 
+def test_input_parquet_with_int_keys(spark, tmp_path):
+    """--input: a parquet file (the other format issue 6 names), int user ids, epoch-second timestamps."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(11)
+    n = 1500
+    pd.DataFrame({"user_id": rng.zipf(1.4, n) % 90, "item_id": rng.integers(0, 25, n),
+                  "amount_cents": rng.integers(100, 9000, n),
+                  "ts": np.arange(n, dtype=np.int64) + 1_700_000_000}).to_parquet(tmp_path / "events.parquet")
+    report = _run(spark, "--input", str(tmp_path / "events.parquet"), "--batches", "2",
+                  "--base-path", str(tmp_path / "job"), "--verify")
+    assert report.verify == [], report.render()
+    assert report.events == n and report.batches == 2
+    out = pd.read_parquet(tmp_path / "job" / "output")
+    assert set(out["user_id"]) <= set(range(90)) and len(out) > 0
+
+
 @pytest.mark.s3
 def test_s3_base_path(spark, s3_bucket):
     base = f"{s3_bucket}/pipeline"
