@@ -126,6 +126,8 @@ class KeyGroupRange:
     __contains__ = contains
 
     def intersection(self, other: "KeyGroupRange") -> "KeyGroupRange":
+        if not isinstance(other, KeyGroupRange):
+            raise ValueError(f"intersection needs a KeyGroupRange, got {type(other).__name__}")
         start, end = max(self._start, other._start), min(self._end, other._end)
         return KeyGroupRange(start, end) if start <= end else KeyGroupRange.EMPTY
 

@@ -33,6 +33,9 @@ def test_key_group_range():
         with pytest.raises(ValueError):
             KeyGroupRange(*bad)
     assert {KeyGroupRange(1, 2), KeyGroupRange(1, 2)} == {KeyGroupRange(1, 2)}
+    for bad in (None, (0, 3), 3):
+        with pytest.raises(ValueError, match="KeyGroupRange"):
+            r.intersection(bad)
 
 
 def test_state_change_and_set():
