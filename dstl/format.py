@@ -56,6 +56,8 @@ def _body_and_size(change_set) -> Tuple[bytes, int]:
 
 
 def _sort_key(change_set):
+    if not isinstance(change_set, (SealedChangeSet, StateChangeSet)):  # before the attribute access below
+        raise TypeError(f"change sets must be StateChangeSet or SealedChangeSet, got {type(change_set).__name__}")
     return java_uuid_sort_key(change_set.log_id) + (int(change_set.sequence_number),)
 
 

@@ -162,6 +162,12 @@ def test_unknown_codec_is_rejected():
         fmt.encode_file([], compression="lz4")
 
 
+@pytest.mark.parametrize("bad", [[1, 2], [None], [b"not a change set"]])
+def test_encode_file_rejects_non_change_sets_by_type(bad):
+    with pytest.raises(TypeError, match="StateChangeSet or SealedChangeSet"):
+        fmt.encode_file(bad)
+
+
 def test_decode_arrays_point_into_the_logical_stream():
     cs0, cs1 = example_b_sets()
     data, _ = fmt.encode_file([cs0, cs1])
