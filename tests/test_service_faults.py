@@ -276,6 +276,11 @@ def test_client_killed_with_sigkill_its_files_are_orphans_until_the_grace_ends(r
               "the dead client's segments to go")
         if time.monotonic() - killed_at < GRACE_MS / 1000 - 0.5:  # checkable only while the grace runs
             assert all(os.path.exists(f) for f in files), "an orphan was deleted before its grace period"
+        # the registry dies during the grace period: the orphans come back from its journal
+        old_registry = keeper.scheduler.status()["registry_pid"]
+        os.kill(old_registry, signal.SIGKILL)
+        _wait(lambda: keeper.scheduler.status()["registry_pid"] not in (None, old_registry), 20,
+              "the registry to be restarted")
         os.unlink(base / ".gate")
         _wait(lambda: not os.path.exists(files[2]) and not os.path.exists(files[3]), 30,
               "the unreferenced orphans to go")
