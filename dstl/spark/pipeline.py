@@ -20,13 +20,6 @@ OPERATOR_ID = "user-activity"
 EVENTS_DDL = "batch long, event_id long, ts long, user_id {user}, item_id {item}, amount_cents long"
 
 
-PROCESS_MODE_WARNING = (
-    "dstl pipeline: warning: upload.mode=process: the host's upload service releases the unconfirmed files "
-    "of a client that dies; a Python worker that dies between two batches (idle timeout, OOM, executor "
-    "loss) before confirming the last completed checkpoint makes that checkpoint's files be deleted. "
-    "The default upload.mode=thread has no such window.")
-
-
 class UsageError(Exception):
     """A bad option or path: reported in one line, exit code 2."""
 
@@ -130,13 +123,14 @@ def _storage_options(args) -> Dict[str, Any]:
             k = PREFIX + k
         mapping[k] = v.strip()
     mapping.setdefault(PREFIX + "base-path", args.base_path)
-    mapping.setdefault(PREFIX + "upload.mode", "thread")
     try:
         config = StorageConfig.from_mapping(mapping)
     except ValueError as exc:
         _fail(f"--storage-option: {exc}")
-    if config.upload_mode == "process":
-        print(PROCESS_MODE_WARNING, file=sys.stderr)
+    if config.upload_mode == "process" and config.base_path.rstrip("/") != str(args.base_path).rstrip("/"):
+        # the host's upload service keeps a dead worker's files that <base>/checkpoints references
+        _fail(f"--storage-option base-path={config.base_path} must equal --base-path {args.base_path} "
+              "with upload.mode=process (the upload service looks for checkpoints under the base path)")
     return config.to_mapping()
 
 
