@@ -92,6 +92,8 @@ class FsStateChangelogStorage:
             raise TypeError(f"key_group_range must be a KeyGroupRange, got {type(key_group_range).__name__}")
         if not isinstance(operator_id, str):
             raise TypeError(f"operator_id must be a str, got {type(operator_id).__name__}")
+        if not operator_id:
+            raise ValueError("operator_id must be a non-empty string")
         with self._lock:
             self._check_open()
             log_id = uuid.UUID(int=self._next_log)  # Flink: new UUID(0, n)

@@ -102,3 +102,13 @@ def test_close_waits_for_running_uploads_and_stops_its_threads(tmp_path):
     for t in set(threading.enumerate()) - before:
         t.join(5)
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+
+def test_create_writer_rejects_bad_arguments(tmp_path):
+    with open_storage(str(tmp_path), upload_mode="direct") as storage:
+        with pytest.raises(ValueError, match="operator_id must be a non-empty"):
+            storage.create_writer("", KeyGroupRange(0, 3))
+        with pytest.raises(TypeError, match="operator_id must be a str"):
+            storage.create_writer(7, KeyGroupRange(0, 3))
+        with pytest.raises(TypeError, match="must be a KeyGroupRange"):
+            storage.create_writer("op", (0, 3))
