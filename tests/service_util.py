@@ -14,10 +14,12 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from typing import Iterable, List, Optional
 
 from fsspec.implementations.local import LocalFileSystem
 import fsspec
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -266,3 +268,22 @@ class session_runtime:
             else:
                 os.environ["DSTL_RUNTIME_DIR"] = self.saved
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def runtime():
+    """A private runtime directory for one test's services (stopped by PID afterwards)."""
+    rt = Runtime(linger_ms=300)
+    try:
+        yield rt
+    finally:
+        rt.cleanup()
+
+
+def process_storage(base, **opts):
+    """A process-mode storage with a fresh job id (options as for `open_storage`)."""
+    from dstl.storage import open_storage
+
+    opts.setdefault("upload_mode", "process")
+    opts.setdefault("job_id", uuid.uuid4().hex)
+    return open_storage(str(base), **opts)

@@ -9,28 +9,13 @@ import uuid
 
 import pytest
 
-from service_util import Runtime, alive, children_of, gate_url, held_pids, python_child, wait_dead
+from service_util import alive, children_of, gate_url, held_pids, python_child, wait_dead
+from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
 from dstl.types import KeyGroupRange
 
 KGR = KeyGroupRange(0, 127)
 
-
-@pytest.fixture
-def runtime():
-    rt = Runtime(linger_ms=300)
-    try:
-        yield rt
-    finally:
-        rt.cleanup()
-
-
-def _storage(base, **opts):
-    from dstl.storage import open_storage
-
-    opts.setdefault("upload_mode", "process")
-    opts.setdefault("job_id", uuid.uuid4().hex)
-    return open_storage(str(base), **opts)
 
 
 def _segments(prefix="dstl_"):
