@@ -165,6 +165,12 @@ class _State:
         t = self._b._table.get(kg)
         return None if t is None else t.get(self.name)
 
+    def _forget(self, kg: int, key: Any) -> None:
+        """Drop `key`'s entry in key group `kg` (live clear and replay of CLEAR); absent is fine."""
+        s = self._lookup(kg)
+        if s is not None:
+            s.pop(key, None)
+
     def _append(self, kg: int, op: int, fields: List[Any]) -> None:
         try:
             payload = C.encode(op, [self._sid] + fields)
@@ -199,9 +205,7 @@ class _State:
         """Remove the key's state (one CLEAR change, even if there was none, as Flink logs it)."""
         kg = self._b._kg(key)
         self._append(kg, C.CLEAR, [key])
-        s = self._lookup(kg)
-        if s is not None:
-            s.pop(key, None)
+        self._forget(kg, key)
         self._b._mutated()
 
     # bulk helpers
@@ -322,9 +326,7 @@ class ValueState(_State):
         if op == C.SET:
             self._table(kg)[body[1]] = self._u(body[2])
         elif op == C.CLEAR:
-            s = self._lookup(kg)
-            if s is not None:
-                s.pop(body[1], None)
+            self._forget(kg, body[1])
         else:
             raise CorruptChangelogError(f"{C.OP_NAMES[op]} is not a ValueState operation (state {self.name!r})", 0)
 
@@ -439,9 +441,7 @@ class ListState(_State):
         elif op == C.SET:
             self._table(kg)[key] = self._trim([self._u(w) for w in body[2]])
         elif op == C.CLEAR:
-            s = self._lookup(kg)
-            if s is not None:
-                s.pop(key, None)
+            self._forget(kg, key)
         else:
             raise CorruptChangelogError(f"{C.OP_NAMES[op]} is not a ListState operation (state {self.name!r})", 0)
 
@@ -585,9 +585,7 @@ class MapState(_State):
         elif op == C.SET:
             self._table(kg)[key] = {uk: self._u(w) for uk, w in body[2].items()}
         elif op == C.CLEAR:
-            s = self._lookup(kg)
-            if s is not None:
-                s.pop(key, None)
+            self._forget(kg, key)
         else:
             raise CorruptChangelogError(f"{C.OP_NAMES[op]} is not a MapState operation (state {self.name!r})", 0)
 
@@ -656,9 +654,7 @@ class ReducingState(ValueState):
         if op in (C.SET_INTERNAL, C.SET):
             self._table(kg)[body[1]] = self._u(body[2])
         elif op == C.CLEAR:
-            s = self._lookup(kg)
-            if s is not None:
-                s.pop(body[1], None)
+            self._forget(kg, body[1])
         else:
             raise CorruptChangelogError(
                 f"{C.OP_NAMES[op]} is not a ReducingState operation (state {self.name!r})", 0)
