@@ -523,6 +523,17 @@ def _set_scatter_max(nbytes):
     return old
 
 
+cdef _write_view(write, view):
+    """Hand `view` to `write`, then release it; a callee that kept an export makes release fail: fine."""
+    try:
+        write(view)
+    finally:
+        try:
+            view.release()
+        except BufferError:
+            pass
+
+
 cdef list _spare_wholes = []  # reusable buffers for whole bodies up to scatter_max
 
 
@@ -757,17 +768,10 @@ cdef class SealedBody:
                 got = self._fill(ptr, size, &c)
             if got == 0:
                 break
-            view = memoryview(chunk)[:got]
-            try:
-                write(view)
-            finally:
-                try:
-                    view.release()
-                except BufferError:
-                    pass
-                if (<PyByteArrayObject*>chunk).ob_exports:  # the callee kept a view: never reuse the chunk
-                    chunk = bytearray(size)
-                    ptr = <unsigned char*>(<char*>chunk)
+            _write_view(write, memoryview(chunk)[:got])
+            if (<PyByteArrayObject*>chunk).ob_exports:  # the callee kept a view: never reuse the chunk
+                chunk = bytearray(size)
+                ptr = <unsigned char*>(<char*>chunk)
             written += got
         if spares is None:
             if len(_spare_chunks) < 8:
@@ -784,14 +788,7 @@ cdef class SealedBody:
         full = memoryview(whole)
         try:
             for pos in range(0, self.total, size):
-                view = full[pos:min(pos + size, self.total)]
-                try:
-                    write(view)
-                finally:
-                    try:
-                        view.release()
-                    except BufferError:
-                        pass
+                _write_view(write, full[pos:min(pos + size, self.total)])
         finally:
             full.release()
         _give_whole(whole)
