@@ -6,6 +6,8 @@
 * `CheckpointCoordinator`: the driver side; one micro-batch = one checkpoint, metadata written
   atomically before the batch's output is committed.
 * `StatefulJob`: the two together (what the `dstl pipeline` command uses).
+* `StatefulStream`: Spark's `StatefulProcessor` (or a vectorised function) on dstl state, for
+  `foreachBatch` and batch DataFrames: exactly-once, TTL, timers, rescalable (docs/streaming.md).
 
 PySpark, pandas and pyarrow are imported lazily, so `import dstl.spark` is cheap.
 """
@@ -23,6 +25,9 @@ _EXPORTS: Dict[str, str] = {
     "CheckpointCoordinator": "dstl.spark.coordinator", "JobSpec": "dstl.spark.coordinator",
     "JobConflictError": "dstl.spark.coordinator",
     "StatefulJob": "dstl.spark.job", "BatchResult": "dstl.spark.job",
+    "StatefulStream": "dstl.spark.stream", "StreamBatchResult": "dstl.spark.stream",
+    "StreamGapError": "dstl.spark.stream", "NullKeyError": "dstl.spark.stream",
+    "ProcessorHandle": "dstl.spark.processor",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -33,6 +33,9 @@ from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_sta
 log = logging.getLogger(__name__)
 
 JOB_FILE = "_dstl_job.json"
+#: committed output of batch N: <output>/batch-NNNNNN/ (the pipeline); StatefulStream uses
+#: "batch_id={batch}", a partition column Spark reads back
+DEFAULT_OUTPUT_LAYOUT = "batch-{batch:06d}"
 
 
 class JobConflictError(ValueError):
@@ -93,7 +96,8 @@ class CheckpointCoordinator:
     """Driver-side checkpoint bookkeeping for one job at `base_path` (any fsspec URL)."""
 
     def __init__(self, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, retain: int = 2,
-                 backend_options: Optional[Dict[str, Any]] = None, durable: bool = True):
+                 backend_options: Optional[Dict[str, Any]] = None, durable: bool = True,
+                 output_layout: str = DEFAULT_OUTPUT_LAYOUT):
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
         self.base_path = base_path.rstrip("/")
@@ -102,6 +106,8 @@ class CheckpointCoordinator:
         self.retain = retain
         self.backend_options = dict(backend_options or {})
         self.durable = durable
+        #: the committed folder of a batch under the output path (`{batch}` is replaced)
+        self.output_layout = output_layout
         self._memory_batch: Optional[int] = None
         self.latest = None  # CheckpointMetadata of the latest completed checkpoint
         self._suspects: Set[str] = set()
@@ -112,7 +118,7 @@ class CheckpointCoordinator:
     @classmethod
     def open(cls, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, resume: bool,
              retain: int = 2, backend_options: Optional[Dict[str, Any]] = None,
-             durable: bool = True) -> "CheckpointCoordinator":
+             durable: bool = True, output_layout: str = DEFAULT_OUTPUT_LAYOUT) -> "CheckpointCoordinator":
         """Start a new job (`resume=False`: the base path must not hold one) or resume the one there.
 
         On resume the stored spec wins for the job id; operator, max parallelism, output and params
@@ -141,11 +147,12 @@ class CheckpointCoordinator:
             with fs.open(job_file, "wb") as f:
                 f.write(json.dumps(asdict(spec), indent=1, sort_keys=True).encode())
             return cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
-                       durable=durable)
+                       durable=durable, output_layout=output_layout)
         if stored is None:
             raise JobConflictError(f"nothing to resume: base path {base} holds no dstl job ({JOB_FILE} missing)")
         _check_same(stored, spec)
-        coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options)
+        coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options,
+                    output_layout=output_layout)
         from dstl.state.metadata import CheckpointJobMismatchError
 
         try:
@@ -240,7 +247,14 @@ class CheckpointCoordinator:
 
     # ---------------------------------------------------------------- output (two-phase commit)
     def _final_path(self, batch: int, subtask: int) -> str:
-        return _join(self.spec.output_path, f"batch-{batch:06d}", f"part-{subtask:05d}.parquet")
+        return _join(self.spec.output_path, self.batch_dir_name(batch), f"part-{subtask:05d}.parquet")
+
+    def batch_dir_name(self, batch: int) -> str:
+        return self.output_layout.format(batch=batch)
+
+    def batch_output_dir(self, batch: int) -> Optional[str]:
+        """The committed output folder of `batch` (None without an output path)."""
+        return _join(self.spec.output_path, self.batch_dir_name(batch)) if self.spec.output_path else None
 
     def commit_output(self, meta) -> bool:
         """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work."""
@@ -249,7 +263,7 @@ class CheckpointCoordinator:
         out = meta.properties.get("output") or {}
         batch = int(out.get("batch", meta.properties["batch"]))
         fs, root = _fs(self.spec.output_path)
-        batch_dir = _join(root, f"batch-{batch:06d}")
+        batch_dir = _join(root, self.batch_dir_name(batch))
         marker = _join(batch_dir, "_SUCCESS")
         if fs.exists(marker):
             return False

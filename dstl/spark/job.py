@@ -28,7 +28,7 @@ class BatchResult:
 
     @property
     def cache_hits(self) -> int:
-        return sum(1 for r in self.reports if not r.restored)
+        return sum(1 for r in self.reports if r.continued)
 
 
 def _is_pandas(df) -> bool:

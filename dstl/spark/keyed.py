@@ -17,6 +17,7 @@ reports into checkpoint metadata and only then commits the staged output.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -32,7 +33,7 @@ INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL)
 REPORT_SCHEMA = (
     "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
     "rows_out long, restored boolean, restore_ms double, process_ms double, snapshot_ms double, "
-    "state_size long, pid int, host string, cache_hits long, cache_misses long")
+    "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean")
 
 _M32 = 0xFFFFFFFF
 
@@ -168,6 +169,8 @@ class CheckpointPlan:
     fail_marker: Optional[str] = None
     #: False: the benchmark baseline, state only in the worker's memory (no changelog, no recovery)
     durable: bool = True
+    #: call `fn` also for a subtask without rows (StatefulStream: timers fire without input)
+    call_without_rows: bool = False
 
     def staging_dir(self) -> str:
         return f"{self.output_path.rstrip('/')}/_staging/batch-{self.batch:06d}"
@@ -198,12 +201,39 @@ class TaskReport:
     host: str
     cache_hits: int
     cache_misses: int
+    #: JSON of the counters `fn` added through `task_metrics()` (e.g. timers fired)
+    metrics: str = "{}"
+    #: the backend continued from this worker's memory (a cache hit)
+    continued: bool = False
 
     @classmethod
     def from_row(cls, row) -> "TaskReport":
         d = row.asDict() if hasattr(row, "asDict") else dict(row)
         d["snapshot"] = bytes(d["snapshot"])
+        if d.get("metrics") is None:
+            d["metrics"] = "{}"
+        d["continued"] = bool(d.get("continued"))
         return cls(**d)
+
+    def metric(self, name: str, default: int = 0) -> int:
+        import json
+
+        return json.loads(self.metrics or "{}").get(name, default)
+
+
+# ------------------------------------------------------------------ what fn can ask about its task
+
+_TASK: Dict[str, Any] = {"subtask": None, "metrics": {}}
+
+
+def current_subtask() -> Optional[int]:
+    """The logical subtask whose `fn` is running (None outside a task)."""
+    return _TASK["subtask"]
+
+
+def task_metrics() -> Dict[str, int]:
+    """Counters `fn` may add to; they travel to the driver in the task's report (`metrics`)."""
+    return _TASK["metrics"]
 
 
 # ------------------------------------------------------------------ state backend adapters
@@ -290,18 +320,24 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
     t0 = time.perf_counter()
     want_token = plan.restore_tokens[subtask] if plan.restore_tokens is not None else None
     backend = CACHE.acquire(key, plan.restore_checkpoint_id, want_token)
-    restored = backend is None
+    from_memory = backend is not None
     if backend is None:
         backend = open_backend(storage, plan, subtask)
+    # restored: really rebuilt from a checkpoint's changelog (a fresh job's first batch is not)
+    restored = not from_memory and plan.restore_checkpoint_id is not None
     t1 = time.perf_counter()
     token = uuid.uuid4().hex
     try:
-        if not restored:
+        if from_memory:
             # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
             backend.confirm(plan.restore_checkpoint_id)
         if plan.fail_subtask == subtask and plan.fail_marker:
             _maybe_fail(plan, fn, rows, backend)
-        out = fn(rows, backend) if len(rows) else None
+        _TASK["subtask"], _TASK["metrics"] = subtask, {}
+        try:
+            out = fn(rows, backend) if len(rows) or plan.call_without_rows else None
+        finally:
+            _TASK["subtask"] = None
         t2 = time.perf_counter()
         staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
         snapshot = backend.snapshot(plan.checkpoint_id).result()
@@ -319,7 +355,8 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
                 rows_in=len(rows), rows_out=rows_out, restored=restored,
                 restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t1) * 1e3,
                 snapshot_ms=(t3 - t2) * 1e3, state_size=_state_size(snapshot), pid=os.getpid(),
-                host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses)
+                host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses,
+                metrics=json.dumps(_TASK["metrics"]), continued=from_memory)
 
 
 def _quiet_expected_warnings() -> None:
@@ -348,7 +385,8 @@ def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attem
     return dict(subtask=subtask, attempt=attempt, token=token, snapshot=b"", staged=staged,
                 rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0,
                 process_ms=(t2 - t1) * 1e3, snapshot_ms=0.0, state_size=0, pid=os.getpid(),
-                host=socket.gethostname(), cache_hits=0, cache_misses=0)
+                host=socket.gethostname(), cache_hits=0, cache_misses=0, metrics="{}",
+                continued=False)
 
 
 def _maybe_fail(plan: CheckpointPlan, fn: Callable, rows, backend) -> None:
@@ -459,9 +497,43 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
     return out
 
 
-def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: int, max_parallelism: int,
-                           storage_config: Any = None, checkpoint: CheckpointPlan,
-                           order_by: Optional[Sequence[str]] = None):
+def stateful_map_in_pandas_pinned(df, fn: Callable, schema, *, checkpoint: CheckpointPlan,
+                                  order_by: Optional[Sequence[str]] = None):
+    """`stateful_map_in_pandas` for a Spark DataFrame that already has the `SUBTASK_COL` column and
+    that the caller has persisted: one filtered single-partition `mapInPandas` branch per subtask,
+    each with its own `DSTL_SUBTASK_SLOT` (as `stateful_map_in_pandas_local` does), so subtask i keeps
+    running in the same Python worker and continues its state from memory, and nothing is collected
+    to the driver. Each branch scans the persisted input once; that is cheap next to a shuffle."""
+    from pyspark.sql import functions as F
+
+    if SUBTASK_COL not in df.columns:
+        raise ValueError(f"the DataFrame lacks the {SUBTASK_COL!r} column (use with_subtask first)")
+    spark = df.sparkSession
+    ensure_importable_on_workers(spark)
+    arrow_schema = _arrow_output_schema(schema)
+    env = spark.sparkContext.environment
+    saved = env.get(SLOT_ENV)
+    branches = []
+    try:
+        for i in range(checkpoint.parallelism):
+            part = df.filter(F.col(SUBTASK_COL) == i).coalesce(1)
+            env[SLOT_ENV] = str(i)  # captured when the UDF is created, just below
+            task = _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by, fixed_subtask=i)
+            branches.append(part.mapInPandas(task, REPORT_SCHEMA))
+    finally:
+        if saved is None:
+            env.pop(SLOT_ENV, None)
+        else:
+            env[SLOT_ENV] = saved
+    out = branches[0]
+    for b in branches[1:]:
+        out = out.union(b)
+    return out
+
+
+def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
+                           parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
+                           storage_config: Any = None, order_by: Optional[Sequence[str]] = None):
     """Run ``fn(rows, state)`` per logical subtask over `df`; returns a DataFrame of task reports.
 
     `fn` gets all rows of one subtask for this micro-batch (a pandas DataFrame, sorted by `order_by`
@@ -469,9 +541,12 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, parallelism: i
     (a DDL string or StructType), or None. Output is staged, not committed: hand the reports to
     `CheckpointCoordinator.complete` (or use `StatefulJob`). Evaluate the result exactly once.
     `storage_config` overrides `checkpoint.storage_options` when given (mapping or StorageConfig).
+    `parallelism` and `max_parallelism` come from the plan; passing them only double-checks them.
     """
     from pyspark.sql import functions as F
 
+    parallelism = checkpoint.parallelism if parallelism is None else parallelism
+    max_parallelism = checkpoint.max_parallelism if max_parallelism is None else max_parallelism
     if checkpoint.parallelism != parallelism or checkpoint.max_parallelism != max_parallelism:
         raise ValueError(f"checkpoint plan is for parallelism {checkpoint.parallelism}/{checkpoint.max_parallelism}, "
                          f"called with {parallelism}/{max_parallelism}")

@@ -1,0 +1,127 @@
+"""The one fault-injection hook for tests and demos (crash a driver or a task at a named moment).
+
+Code calls ``faults.point(name, batch)`` at the moments a test may want to break; nothing happens
+unless a fault is armed for that point and batch. Arm faults either
+
+* in the environment, ``DSTL_FAULTS="<point>@<batch>=<action>[,...]"`` (Spark forwards ``DSTL_*``
+  variables to its Python workers, so task-side points work too), or
+* in-process, ``with faults.armed("stream.after_checkpoint@2=raise"): ...`` (same syntax).
+
+Actions: ``kill`` (SIGKILL this process: a real crash, no cleanup), ``raise`` (raise
+`InjectedFault`). An action may end with ``:once=<path>``: it fires only if that marker file does
+not exist yet and creates it (a retried Spark task then succeeds).
+
+Points:
+
+=============================  =============================================================
+``stream.after_checkpoint``    StatefulStream: checkpoint durable, output not committed, sink not called
+``stream.after_sink``          StatefulStream: sink called, foreachBatch not yet returned to Spark
+``pipeline.after_metadata``    the demo pipeline's ``--kill-at``: checkpoint durable, output not committed
+``task.mid_batch``             a stateful task, after applying half of its rows (``--fail-at``)
+=============================  =============================================================
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+ENV = "DSTL_FAULTS"
+
+__all__ = ["InjectedFault", "point", "armed", "parse", "ENV"]
+
+
+class InjectedFault(RuntimeError):
+    """The failure a test asked for through DSTL_FAULTS / faults.armed."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    batch: Optional[int]  # None: every batch
+    action: str
+    once: Optional[str] = None
+
+
+def parse(spec: str) -> List[Fault]:
+    """Faults from ``"<point>@<batch>=<action>[:once=<path>],..."`` (``@*`` or no ``@``: any batch)."""
+    faults: List[Fault] = []
+    for item in filter(None, (p.strip() for p in (spec or "").split(","))):
+        where, sep, action = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV}: {item!r} has no '=<action>' (kill or raise)")
+        once = None
+        if ":once=" in action:
+            action, once = action.split(":once=", 1)
+        if action not in ("kill", "raise"):
+            raise ValueError(f"{ENV}: unknown action {action!r} in {item!r} (kill or raise)")
+        name, _, batch = where.partition("@")
+        if batch in ("", "*"):
+            b = None
+        else:
+            try:
+                b = int(batch)
+            except ValueError:
+                raise ValueError(f"{ENV}: batch {batch!r} in {item!r} is not an int") from None
+        faults.append(Fault(name.strip(), b, action, once))
+    return faults
+
+
+_ARMED: List[Fault] = []
+
+
+@contextlib.contextmanager
+def armed(spec: str) -> Iterator[None]:
+    """Arm faults in this process for the duration of the block."""
+    faults = parse(spec)
+    _ARMED.extend(faults)
+    try:
+        yield
+    finally:
+        for f in faults:
+            _ARMED.remove(f)
+
+
+def _env_faults() -> List[Fault]:
+    spec = os.environ.get(ENV, "")
+    return parse(spec) if spec else []
+
+
+def point(name: str, batch: Optional[int] = None, detail: str = "") -> None:
+    """A named moment: fire the fault armed for it, if any."""
+    if not _ARMED and ENV not in os.environ:
+        return
+    for f in _ARMED + _env_faults():
+        if f.point != name or (f.batch is not None and f.batch != batch):
+            continue
+        if f.once is not None and not _claim(f.once):
+            continue
+        msg = f"injected fault at {name} (batch {batch}){': ' + detail if detail else ''}"
+        if f.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(msg)
+
+
+def _claim(marker: str) -> bool:
+    """Create `marker` (any fsspec URL); False if it already existed."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(marker)
+    if fs.exists(path):
+        return False
+    parent = path.rsplit("/", 1)[0]
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    with fs.open(path, "wb") as f:
+        f.write(b"fired\n")
+    return True
+
+
+def active() -> Dict[str, List[Fault]]:
+    """What is armed now, by point (diagnostics)."""
+    out: Dict[str, List[Fault]] = {}
+    for f in _ARMED + _env_faults():
+        out.setdefault(f.point, []).append(f)
+    return out

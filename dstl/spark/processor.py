@@ -1,0 +1,385 @@
+"""Run a PySpark `StatefulProcessor` on a dstl `KeyedStateBackend`.
+
+`ProcessorHandle` offers what `pyspark.sql.streaming.stateful_processor.StatefulProcessorHandle`
+offers (`getValueState`, `getListState`, `getMapState`, timers, `deleteIfExists`), backed by the
+subtask's keyed state: every state is scoped to the *implicit* grouping key, which the runner sets
+before each call, exactly as Spark does. Values are tuples of the declared schema
+(dstl.state.schema); with `ttlDurationMs` the state is a TTL state (dstl.state.ttl) whose clock is
+the micro-batch's timestamp.
+
+`run_processor` is one subtask's micro-batch, in Spark's order (TransformWithStateInPandas):
+
+1. ``init(handle)``;
+2. on the job's first batch only, ``handleInitialState(key, rows, timerValues)`` per key of the
+   initial state;
+3. ``handleInputRows(key, iter([rows]), timerValues)`` per key with input, keys in sorted order, rows
+   in arrival order; key is a tuple, as Spark passes it;
+4. ``handleExpiredTimer(key, timerValues, ExpiredTimerInfo(ts))`` for every timer with
+   ``ts <= batch timestamp`` (ProcessingTime) or ``ts <= watermark`` (EventTime), earliest first;
+   the timer is deleted after its call;
+5. ``close()``.
+
+Every DataFrame the handlers yield is part of the batch's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from dstl.state.schema import StateSchema
+
+TIME_MODES = {"none": "None", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
+
+#: state names starting with this are dstl's own (timers)
+RESERVED_PREFIX = "_dstl"
+
+
+def normalize_time_mode(time_mode: Any) -> str:
+    """'None' / 'ProcessingTime' / 'EventTime' from any capitalisation (Spark accepts them so)."""
+    if time_mode is None:
+        return "None"
+    mode = TIME_MODES.get(str(time_mode).replace("_", "").lower())
+    if mode is None:
+        raise ValueError(f"time_mode must be one of None, ProcessingTime, EventTime; got {time_mode!r}")
+    return mode
+
+
+def is_stateful_processor(obj: Any) -> bool:
+    """An object with the methods of Spark's StatefulProcessor (its class or a duck-typed one)."""
+    return callable(getattr(obj, "init", None)) and callable(getattr(obj, "handleInputRows", None))
+
+
+@dataclass
+class BatchContext:
+    """What one micro-batch's handlers see: its timestamps and (first batch only) initial state."""
+
+    batch_timestamp_ms: int
+    watermark_ms: int
+    time_mode: str = "None"
+    #: per-key initial state rows, applied on the job's first batch (pandas DataFrame or None)
+    initial_state: Any = None
+    metrics: Dict[str, int] = field(default_factory=dict)
+
+    def timer_values(self):
+        from pyspark.sql.streaming.stateful_processor import TimerValues
+
+        if self.time_mode == "None":
+            return TimerValues(-1, -1)
+        wm = self.watermark_ms if self.time_mode == "EventTime" else -1
+        return TimerValues(self.batch_timestamp_ms, wm)
+
+
+class _StateAdapter:
+    def __init__(self, handle: "ProcessorHandle", state: Any, spec: StateSchema):
+        self._h = handle
+        self._s = state
+        self._spec = spec
+        self._v = spec.value
+
+    def _key(self) -> Any:
+        k = self._h._key
+        if k is None:
+            raise RuntimeError(f"state {self._spec.name!r} is used outside handleInputRows, "
+                               f"handleExpiredTimer or handleInitialState (no grouping key is set)")
+        return k
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._spec!r})"
+
+
+class ValueStateAdapter(_StateAdapter):
+    """Spark's ValueState: exists / get / update / clear for the grouping key."""
+
+    def exists(self) -> bool:
+        return self._s.get(self._key()) is not None
+
+    def get(self) -> Optional[Tuple]:
+        w = self._s.get(self._key())
+        return None if w is None else self._v.decode(w)
+
+    def update(self, newValue: Tuple) -> None:
+        self._s.update(self._key(), self._v.encode(newValue))
+
+    def clear(self) -> None:
+        self._s.clear(self._key())
+
+
+class ListStateAdapter(_StateAdapter):
+    """Spark's ListState: exists / get / put / appendValue / appendList / clear."""
+
+    def exists(self) -> bool:
+        return bool(self._s.get(self._key()))
+
+    def get(self) -> Iterator[Tuple]:
+        dec = self._v.decode
+        return iter([dec(w) for w in self._s.get(self._key())])
+
+    def put(self, newState: List[Tuple]) -> None:
+        enc = self._v.encode
+        self._s.update(self._key(), [enc(v) for v in newState])
+
+    def appendValue(self, newState: Tuple) -> None:
+        self._s.add(self._key(), self._v.encode(newState))
+
+    def appendList(self, newState: List[Tuple]) -> None:
+        enc = self._v.encode
+        self._s.add_all(self._key(), [enc(v) for v in newState])
+
+    def clear(self) -> None:
+        self._s.clear(self._key())
+
+
+class MapStateAdapter(_StateAdapter):
+    """Spark's MapState: exists / getValue / containsKey / updateValue / iterator / keys / values /
+    removeKey / clear."""
+
+    def __init__(self, handle, state, spec):
+        super().__init__(handle, state, spec)
+        self._k = spec.user_key
+
+    def exists(self) -> bool:
+        return not self._s.is_empty(self._key())
+
+    def getValue(self, key: Tuple) -> Optional[Tuple]:
+        w = self._s.get(self._key(), self._k.encode_key(key))
+        return None if w is None else self._v.decode(w)
+
+    def containsKey(self, key: Tuple) -> bool:
+        return self._s.contains(self._key(), self._k.encode_key(key))
+
+    def updateValue(self, key: Tuple, value: Tuple) -> None:
+        self._s.put(self._key(), self._k.encode_key(key), self._v.encode(value))
+
+    def iterator(self) -> Iterator[Tuple[Tuple, Tuple]]:
+        kd, vd = self._k.decode_key, self._v.decode
+        return iter([(kd(uk), vd(w)) for uk, w in self._s.items(self._key())])
+
+    def keys(self) -> Iterator[Tuple]:
+        kd = self._k.decode_key
+        return iter([kd(uk) for uk in self._s.keys(self._key())])
+
+    def values(self) -> Iterator[Tuple]:
+        vd = self._v.decode
+        return iter([vd(w) for w in self._s.values(self._key())])
+
+    def removeKey(self, key: Tuple) -> None:
+        uk = self._k.encode_key(key)
+        if self._s.contains(self._key(), uk):
+            self._s.remove(self._key(), uk)
+
+    def clear(self) -> None:
+        self._s.clear(self._key())
+
+
+class ProcessorHandle:
+    """Spark's StatefulProcessorHandle on a dstl backend (or, without one, a recorder of declared
+    states: what the driver runs `init` with to learn the state schemas, as Spark's PRE_INIT does)."""
+
+    def __init__(self, backend: Any = None, ctx: Optional[BatchContext] = None):
+        self._b = backend
+        self._ctx = ctx or BatchContext(0, 0)
+        self._key: Any = None
+        self.schemas: Dict[str, StateSchema] = {}
+        self._timers = None
+
+    # ---------------------------------------------------------------- states
+    def _declare(self, spec: StateSchema) -> StateSchema:
+        if not isinstance(spec.name, str) or not spec.name:
+            raise ValueError(f"a state name must be a non-empty str, got {spec.name!r}")
+        if spec.name.startswith(RESERVED_PREFIX):
+            raise ValueError(f"state names starting with {RESERVED_PREFIX!r} are reserved for dstl: {spec.name!r}")
+        old = self.schemas.get(spec.name)
+        if old is not None and old.kind != spec.kind:
+            raise ValueError(f"state {spec.name!r} is declared twice, as {old.kind} and as {spec.kind} state")
+        self.schemas[spec.name] = spec
+        return spec
+
+    def _raw(self, spec: StateSchema):
+        from dstl.state import ttl as T
+
+        b = self._b
+        if b is None:
+            return None
+        options = {T.TTL_OPTION: True} if spec.ttl_ms is not None else {}
+        existing = b._states.get(spec.name)
+        if existing is not None and bool(existing.meta.options.get(T.TTL_OPTION)) != bool(options):
+            have = "with" if existing.meta.options.get(T.TTL_OPTION) else "without"
+            raise ValueError(f"state {spec.name!r} was created {have} a TTL; its TTL cannot be "
+                             f"{'removed' if have == 'with' else 'added'} (use another state name)")
+        if existing is not None and existing.kind != spec.kind:
+            raise ValueError(f"state {spec.name!r} holds {existing.kind} state, not {spec.kind} state")
+        raw = b._register(spec.name, spec.kind, None, options)
+        if spec.ttl_ms is None:
+            return raw
+        clock = self._batch_clock
+        cls = {"value": T.TtlValueState, "list": T.TtlListState, "map": T.TtlMapState}[spec.kind]
+        return cls(raw, spec.ttl_ms, clock)
+
+    def _batch_clock(self) -> int:
+        return self._ctx.batch_timestamp_ms
+
+    def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> ValueStateAdapter:
+        spec = self._declare(StateSchema(stateName, "value", schema, ttl_ms=ttlDurationMs))
+        return ValueStateAdapter(self, self._raw(spec), spec)
+
+    def getListState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> ListStateAdapter:
+        spec = self._declare(StateSchema(stateName, "list", schema, ttl_ms=ttlDurationMs))
+        return ListStateAdapter(self, self._raw(spec), spec)
+
+    def getMapState(self, stateName: str, userKeySchema: Any, valueSchema: Any,
+                    ttlDurationMs: Optional[int] = None) -> MapStateAdapter:
+        spec = self._declare(StateSchema(stateName, "map", valueSchema, userKeySchema, ttlDurationMs))
+        return MapStateAdapter(self, self._raw(spec), spec)
+
+    def deleteIfExists(self, stateName: str) -> None:
+        """Remove the state and every value of it (every key of this subtask: the whole state)."""
+        b = self._b
+        self.schemas.pop(stateName, None)
+        if b is None or stateName not in b._states:
+            return
+        raw = b._states[stateName]
+        for key in raw.keys_with_state():
+            raw.clear(key)
+
+    # ---------------------------------------------------------------- timers
+    def _timer_service(self):
+        if self._ctx.time_mode == "None":
+            raise RuntimeError("timers need time_mode='ProcessingTime' or 'EventTime' (this stream has "
+                               "time_mode='None')")
+        if self._b is None:
+            raise RuntimeError("timers can only be used while handling rows or timers")
+        if self._timers is None:
+            from dstl.state.timers import TimerService
+
+            self._timers = TimerService(self._b)
+        return self._timers
+
+    def _timer_key(self) -> Any:
+        if self._key is None:
+            raise RuntimeError("timers are per grouping key: use them in handleInputRows, "
+                               "handleExpiredTimer or handleInitialState")
+        return self._key
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_service().register(self._timer_key(), expiryTimestampMs)
+
+    def deleteTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_service().delete(self._timer_key(), expiryTimestampMs)
+
+    def listTimers(self) -> Iterator[int]:
+        return iter(self._timer_service().list(self._timer_key()))
+
+
+def declared_schemas(processor: Any) -> Dict[str, StateSchema]:
+    """The states `processor.init` declares (run on the driver with a recording handle)."""
+    handle = ProcessorHandle(None)
+    processor.init(handle)
+    try:
+        processor.close()
+    except Exception:  # a close() that expects a fully initialised processor: harmless here
+        pass
+    return handle.schemas
+
+
+def _frames(result: Any, where: str) -> Iterator[Any]:
+    import pandas as pd
+
+    if result is None:
+        return
+    if isinstance(result, pd.DataFrame):
+        yield result
+        return
+    for item in result:
+        if item is None:
+            continue
+        if not isinstance(item, pd.DataFrame):
+            raise TypeError(f"{where} must yield pandas DataFrames, got {type(item).__name__}")
+        yield item
+
+
+def _groups(rows, key_col: str):
+    """(key, rows of that key) per distinct key, keys sorted, each frame with a fresh RangeIndex."""
+    import numpy as np
+    import pandas as pd
+
+    if not len(rows):
+        return
+    keys = rows[key_col].to_numpy()
+    order = np.argsort(keys, kind="stable")
+    skeys = keys[order]
+    ordered = rows.take(order)
+    if len(skeys) > 1:
+        cuts = np.flatnonzero(skeys[1:] != skeys[:-1]) + 1
+    else:
+        cuts = np.empty(0, dtype=np.int64)
+    starts = [0] + cuts.tolist()
+    ends = cuts.tolist() + [len(skeys)]
+    uniq = skeys[starts].tolist()
+    for k, s, e in zip(uniq, starts, ends):
+        part = ordered.iloc[s:e]
+        part.index = pd.RangeIndex(e - s)
+        yield k, part
+
+
+def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str):
+    """One subtask's micro-batch through a StatefulProcessor (see the module docstring)."""
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
+
+    handle = ProcessorHandle(backend, ctx)
+    processor.init(handle)
+    tv = ctx.timer_values()
+    out: List[Any] = []
+    try:
+        init_rows = ctx.initial_state
+        if init_rows is not None and len(init_rows):
+            for k, part in _groups(init_rows, key_col):
+                handle._key = k
+                processor.handleInitialState((k,), part, tv)
+        for k, part in _groups(rows, key_col):
+            handle._key = k
+            out.extend(_frames(processor.handleInputRows((k,), iter([part]), tv), "handleInputRows"))
+        fired = 0
+        threshold = {"ProcessingTime": ctx.batch_timestamp_ms, "EventTime": ctx.watermark_ms}.get(ctx.time_mode)
+        if threshold is not None:
+            timers = handle._timer_service()
+            for ts, k in timers.due(threshold):
+                if ts not in timers.state.keys(k):  # deleted by an earlier handler of this batch
+                    continue
+                handle._key = k
+                out.extend(_frames(processor.handleExpiredTimer((k,), tv, ExpiredTimerInfo(ts)),
+                                   "handleExpiredTimer"))
+                timers.delete(k, ts)
+                fired += 1
+        ctx.metrics["timers_fired"] = ctx.metrics.get("timers_fired", 0) + fired
+    finally:
+        handle._key = None
+        processor.close()
+    if not out:
+        return None
+    return pd.concat(out, ignore_index=True) if len(out) > 1 else out[0]
+
+
+def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
+                 initial_by_subtask: Optional[Dict[int, Any]] = None) -> Callable:
+    """`fn(rows, backend)` for the stateful task: a StatefulProcessor, or a vectorised function
+    (called as is) when `processor` is not one. Called for every subtask, also without rows."""
+    from dstl.spark import keyed as K
+
+    if not is_stateful_processor(processor):
+        fn = processor
+
+        def vectorised(rows, backend):
+            return fn(rows, backend) if len(rows) else None
+
+        return vectorised
+
+    def task_fn(rows, backend):
+        sub = K.current_subtask()
+        init = None if initial_by_subtask is None else initial_by_subtask.get(sub)
+        local = BatchContext(ctx.batch_timestamp_ms, ctx.watermark_ms, ctx.time_mode, init)
+        out = run_processor(processor, rows, backend, local, key_col)
+        K.task_metrics().update(local.metrics)
+        return out
+
+    return task_fn

@@ -1,0 +1,442 @@
+"""StatefulStream: a Spark StatefulProcessor (or a vectorised function) on rescalable dstl state.
+
+>>> stream = StatefulStream(base_path, processor, "user string, n long", key="user", parallelism=4)
+>>> query = events.writeStream.foreachBatch(stream).option("checkpointLocation", ckpt).start()
+>>> stream.run(static_df)        # the same for a batch DataFrame: one checkpoint per call
+
+One micro-batch is one dstl checkpoint, numbered by Spark's batch id. Per batch, on the driver:
+
+1. a replayed batch id (already in a completed checkpoint) changes no state: it only finishes that
+   batch's output commit and calls the sink if it has not returned yet; a gap is an error;
+2. the input gets its logical subtask column (null keys: an error, or dropped and counted), late
+   rows are dropped and counted (EventTime), the batch is persisted and each subtask runs as its
+   own pinned Spark task, continuing its state from its Python worker's memory;
+3. the checkpoint metadata (watermark, state schemas, Spark's batch id) is written atomically,
+   then the staged output is committed to ``<output>/batch_id=N/`` and the sink called once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+from dstl.spark.job import BatchResult
+
+log = logging.getLogger(__name__)
+
+OPERATOR_ID = "stateful-stream"
+ET_COL = "_dstl_event_ms"
+DEFAULT_MATERIALIZE_EVERY = 1_000_000
+
+__all__ = ["StatefulStream", "StreamBatchResult", "StreamGapError", "NullKeyError"]
+
+
+class StreamGapError(RuntimeError):
+    """Spark delivered a batch id beyond the next one this job expects."""
+
+
+class NullKeyError(ValueError):
+    """The key column holds nulls (and null_keys='drop' was not given)."""
+
+
+@dataclass
+class StreamBatchResult(BatchResult):
+    """A BatchResult plus what the stream adds: Spark's batch id and the watermark bookkeeping."""
+
+    batch_id: int = 0
+    replayed: bool = False
+    late_rows: int = 0
+    null_rows: int = 0
+    watermark_ms: int = 0
+    batch_timestamp_ms: int = 0
+    timers_fired: int = 0
+    sink_called: bool = False
+
+
+_UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 1000, "second": 1000,
+             "seconds": 1000, "m": 60_000, "min": 60_000, "minute": 60_000, "minutes": 60_000,
+             "h": 3_600_000, "hour": 3_600_000, "hours": 3_600_000, "d": 86_400_000, "day": 86_400_000,
+             "days": 86_400_000}
+
+
+def parse_delay_ms(delay: Any) -> int:
+    """A watermark delay in ms from an int (ms), a timedelta or a string like '10 seconds'."""
+    import datetime as dt
+
+    if delay is None:
+        return 0
+    if isinstance(delay, dt.timedelta):
+        return int(delay.total_seconds() * 1000)
+    if isinstance(delay, bool):
+        raise TypeError(f"watermark_delay must be ms, a timedelta or a string like '10 seconds', got {delay!r}")
+    if isinstance(delay, int):
+        if delay < 0:
+            raise ValueError(f"watermark_delay must be >= 0, got {delay}")
+        return delay
+    if isinstance(delay, str):
+        m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]+)\s*", delay)
+        if m and m.group(2).lower() in _UNITS_MS:
+            return int(m.group(1)) * _UNITS_MS[m.group(2).lower()]
+    raise ValueError(f"watermark_delay must be ms, a timedelta or a string like '10 seconds', got {delay!r}")
+
+
+def _check_int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> int:
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in {lo}..{hi if hi is not None else ''}, got {v}")
+    return v
+
+
+class StatefulStream:
+    """A keyed stateful operator for `foreachBatch` and batch DataFrames (see the module docstring).
+
+    `processor`: a `StatefulProcessor` (instance, any object with its methods) or a vectorised
+    `fn(rows: pd.DataFrame, state: KeyedStateBackend) -> pd.DataFrame`. `output_schema`: DDL or
+    StructType of what it returns. Options beyond Spark's: `null_keys` ("error" or "drop"),
+    `initial_state` (a DataFrame for `handleInitialState`, applied on the job's first batch),
+    `clock` (ms; the batch timestamp, for tests), `retain` (checkpoints kept),
+    `materialize_every` (changes logged per subtask before a compact snapshot).
+    """
+
+    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: str, parallelism: int,
+                 max_parallelism: Optional[int] = None, time_mode: str = "None",
+                 event_time_column: Optional[str] = None, watermark_delay: Any = None,
+                 output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
+                 storage_options: Optional[Dict[str, Any]] = None, null_keys: str = "error",
+                 initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
+                 materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY):
+        from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
+        from dstl.spark.processor import is_stateful_processor, normalize_time_mode
+
+        if not isinstance(base_path, str) or not base_path:
+            raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key must be the name of the key column, got {key!r}")
+        self.is_processor = is_stateful_processor(processor)
+        if not self.is_processor and not callable(processor):
+            raise TypeError("processor must be a StatefulProcessor or a function fn(rows, state)")
+        self.parallelism = _check_int("parallelism", parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
+        # validated once, here at the boundary; the stored value wins on resume
+        self.max_parallelism = None if max_parallelism is None else _check_int(
+            "max_parallelism", max_parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
+        if self.max_parallelism is not None and self.parallelism > self.max_parallelism:
+            raise ValueError(f"parallelism {self.parallelism} exceeds max_parallelism {self.max_parallelism}")
+        self.time_mode = normalize_time_mode(time_mode)
+        if self.time_mode == "EventTime" and not event_time_column:
+            raise ValueError("time_mode='EventTime' needs event_time_column")
+        if event_time_column and self.time_mode != "EventTime":
+            raise ValueError(f"event_time_column={event_time_column!r} needs time_mode='EventTime'")
+        if watermark_delay is not None and self.time_mode != "EventTime":
+            raise ValueError("watermark_delay needs time_mode='EventTime'")
+        self.watermark_delay_ms = parse_delay_ms(watermark_delay)
+        if null_keys not in ("error", "drop"):
+            raise ValueError(f"null_keys must be 'error' or 'drop', got {null_keys!r}")
+        if sink is not None and not callable(sink):
+            raise TypeError("sink must be a function sink(out_df, batch_id)")
+        if retain < 1:
+            raise ValueError(f"retain must be >= 1, got {retain}")
+        self.base_path = base_path.rstrip("/")
+        self.processor = processor
+        self.output_schema = output_schema
+        self.key = key
+        self.event_time_column = event_time_column
+        self.output_path = (output_path or f"{self.base_path}/output").rstrip("/")
+        self.sink = sink
+        self.storage_options = _storage_mapping(self.base_path, storage_options)
+        self.null_keys = null_keys
+        self.initial_state = initial_state
+        self.clock = clock or (lambda: int(time.time() * 1000))
+        self.retain = retain
+        self.backend_options = {"materialize_every_changes": materialize_every} if materialize_every else {}
+        self._arrow_schema = _output_arrow_schema(output_schema)
+        self._schemas = None
+        self.coordinator = None
+        self.results = []
+
+    # ---------------------------------------------------------------- open or create
+    def open(self):
+        """Create the job at `base_path`, or resume the one there (a new parallelism rescales)."""
+        if self.coordinator is not None:
+            return self.coordinator
+        import fsspec
+
+        from dstl.keygroups import compute_default_max_parallelism
+        from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, JobConflictError, JobSpec
+        from dstl.spark.sink import OUTPUT_LAYOUT
+
+        fs, root = fsspec.core.url_to_fs(self.base_path)
+        exists = fs.exists(f"{root}/{JOB_FILE}")
+        maxp = self.max_parallelism
+        if maxp is None and not exists:
+            maxp = compute_default_max_parallelism(self.parallelism)
+        params = {"kind": "StatefulStream", "key": self.key, "time_mode": self.time_mode,
+                  "event_time_column": self.event_time_column}
+        spec = JobSpec.new(OPERATOR_ID, maxp or 0, self.output_path, params)
+        coord = CheckpointCoordinator.open(self.base_path, spec, self.storage_options, resume=exists,
+                                           retain=self.retain, backend_options=self.backend_options,
+                                           output_layout=OUTPUT_LAYOUT)
+        if self.parallelism > coord.spec.max_parallelism:
+            raise JobConflictError(f"parallelism {self.parallelism} exceeds the job's max parallelism "
+                                   f"{coord.spec.max_parallelism} (fixed when the job at {self.base_path} "
+                                   f"was created)")
+        if self.is_processor:
+            from dstl.spark.processor import declared_schemas
+
+            self._schemas = {n: s.to_record() for n, s in declared_schemas(self.processor).items()}
+        self.coordinator = coord
+        return coord
+
+    @property
+    def max_parallelism_in_use(self) -> int:
+        return self.open().spec.max_parallelism
+
+    # ---------------------------------------------------------------- entry points
+    def __call__(self, df, batch_id: int) -> "StreamBatchResult":
+        """The `foreachBatch` function: process Spark's micro-batch `batch_id` exactly once."""
+        return self.process(df, int(batch_id))
+
+    def run(self, df) -> "StreamBatchResult":
+        """Process a batch DataFrame (Spark or pandas) as the next micro-batch: one checkpoint."""
+        return self.process(df, self.open().next_batch)
+
+    def process(self, df, batch_id: int) -> "StreamBatchResult":
+        coord = self.open()
+        expected = coord.next_batch
+        if batch_id < expected:
+            return self._replay(batch_id, df)
+        if batch_id > expected:
+            done = "no batch yet" if expected == 0 else f"batches up to {expected - 1}"
+            raise StreamGapError(
+                f"batch {batch_id} arrived, but the job at {self.base_path} has completed {done}: batch "
+                f"ids must follow each other (was the Spark checkpoint location replaced, or another "
+                f"query's used?)")
+        return self._run_batch(df, batch_id)
+
+    def close(self) -> None:
+        """After the last batch (query stopped): delete changelog files no checkpoint needs."""
+        if self.coordinator is not None:
+            self.coordinator.finish()
+
+    # ---------------------------------------------------------------- one batch
+    def _spark_of(self, df):
+        if type(df).__module__.startswith("pandas"):
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.getActiveSession()
+            if spark is None:
+                raise RuntimeError("a pandas batch needs an active SparkSession")
+            return spark, spark.createDataFrame(df) if len(df.columns) else df
+        return df.sparkSession, df
+
+    def _run_batch(self, df, batch_id: int) -> "StreamBatchResult":
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        from dstl.spark import faults
+        from dstl.spark.keyed import (SUBTASK_COL, TaskReport, stateful_map_in_pandas_pinned)
+        from dstl.spark.processor import BatchContext, make_task_fn
+
+        coord = self.coordinator
+        spark, sdf = self._spark_of(df)
+        if self.key not in sdf.columns:
+            raise ValueError(f"key column {self.key!r} is not in batch {batch_id} "
+                             f"(columns: {', '.join(sdf.columns)})")
+        if self.event_time_column and self.event_time_column not in sdf.columns:
+            raise ValueError(f"event_time_column {self.event_time_column!r} is not in batch {batch_id} "
+                             f"(columns: {', '.join(sdf.columns)})")
+        t0 = time.perf_counter()
+        batch_ts = int(self.clock())
+        latest = coord.latest
+        watermark = int(latest.properties.get("watermark_ms", 0)) if latest is not None else 0
+        maxp = coord.spec.max_parallelism
+        keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
+        aggs = [F.count(F.lit(1)).alias("n"),
+                F.sum(F.when(F.col(SUBTASK_COL) < 0, 1).otherwise(0)).alias("nulls")]
+        if self.time_mode == "EventTime":
+            keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
+            ok = F.col(SUBTASK_COL) >= 0
+            aggs += [F.sum(F.when(ok & (F.col(ET_COL) < watermark), 1).otherwise(0)).alias("late"),
+                     F.max(F.when(ok & (F.col(ET_COL) >= watermark), F.col(ET_COL))).alias("max_et")]
+        keyed = keyed.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            stats_row = keyed.agg(*aggs).first()  # one pass: also fills the persisted input
+            n_in = int(stats_row["n"])
+            nulls = int(stats_row["nulls"] or 0)
+            if nulls and self.null_keys == "error":
+                raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in batch {batch_id} "
+                                   f"(of {n_in} rows); pass null_keys='drop' to drop and count them")
+            late = int(stats_row["late"] or 0) if self.time_mode == "EventTime" else 0
+            max_et = stats_row["max_et"] if self.time_mode == "EventTime" else None
+            keep = F.col(SUBTASK_COL) >= 0
+            if self.time_mode == "EventTime":
+                keep = keep & (F.col(ET_COL) >= watermark)
+            routed = keyed.filter(keep) if (nulls or late) else keyed
+            if ET_COL in routed.columns:
+                routed = routed.drop(ET_COL)
+            ctx = BatchContext(batch_ts, watermark, self.time_mode)
+            initial = self._initial_by_subtask(maxp) if latest is None else None
+            fn = make_task_fn(self.processor, self.key, ctx, initial)
+            plan = coord.plan(batch_id, self.parallelism)
+            plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
+            reports_df = stateful_map_in_pandas_pinned(routed, fn, self.output_schema, checkpoint=plan)
+            reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
+        finally:
+            keyed.unpersist()
+        new_wm = watermark
+        if self.time_mode == "EventTime" and max_et is not None:
+            new_wm = max(watermark, int(max_et) - self.watermark_delay_ms)
+        fired = sum(r.metric("timers_fired") for r in reports)
+        props = {"spark_batch_id": batch_id, "batch_timestamp_ms": batch_ts, "watermark_ms": new_wm,
+                 "batch_watermark_ms": watermark, "late_rows": late, "null_rows_dropped": nulls,
+                 "time_mode": self.time_mode, "state_schemas": self._schemas or {},
+                 "timers_fired": fired}
+        stats = coord.complete(plan, reports, properties=props,
+                               after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
+        sink_called = self._deliver(spark, batch_id, plan.checkpoint_id)
+        faults.point("stream.after_sink", batch_id)
+        restored = [r for r in reports if r.restored]
+        res = StreamBatchResult(
+            batch=batch_id, checkpoint_id=plan.checkpoint_id, rows_in=sum(r.rows_in for r in reports),
+            rows_out=sum(r.rows_out for r in reports), seconds=time.perf_counter() - t0,
+            checkpoint_ms=max(r.snapshot_ms for r in reports) + stats.metadata_ms,
+            restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
+            reports=reports, stats=stats, batch_id=batch_id, late_rows=late, null_rows=nulls,
+            watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called)
+        self.results.append(res)
+        return res
+
+    def _deliver(self, spark, batch_id: int, checkpoint_id: int) -> bool:
+        """Call the sink for a committed batch unless it already returned; True if called."""
+        from dstl.spark.sink import mark_sink_done, prune_markers, read_batch_output, sink_done
+
+        if sink_done(self.base_path, batch_id):
+            return False
+        called = False
+        if self.sink is not None:
+            out = read_batch_output(spark, self.coordinator.batch_output_dir(batch_id), self.output_schema)
+            self.sink(out, batch_id)
+            called = True
+        mark_sink_done(self.base_path, batch_id, checkpoint_id)
+        prune_markers(self.base_path, batch_id - 10)
+        return called
+
+    def _replay(self, batch_id: int, df) -> "StreamBatchResult":
+        """A batch id already in a completed checkpoint: no state change; finish output and sink."""
+        from dstl.spark.coordinator import CheckpointStats
+
+        coord = self.coordinator
+        latest = coord.latest
+        spark = self._spark_of(df)[0] if df is not None else None
+        called = False
+        committed = coord.batch_output_dir(batch_id)
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(committed)
+        if fs.exists(f"{path}/_SUCCESS") and spark is not None:
+            called = self._deliver(spark, batch_id, latest.checkpoint_id)
+        log.info("batch %d is already in checkpoint %s: replay changes no state", batch_id,
+                 latest.checkpoint_id)
+        stats = CheckpointStats(latest.checkpoint_id, batch_id, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+        res = StreamBatchResult(batch=batch_id, checkpoint_id=latest.checkpoint_id, rows_in=0, rows_out=0,
+                                seconds=0.0, checkpoint_ms=0.0, restored=0, restore_ms=0.0, reports=[],
+                                stats=stats, batch_id=batch_id, replayed=True,
+                                watermark_ms=int(latest.properties.get("watermark_ms", 0)),
+                                sink_called=called)
+        self.results.append(res)
+        return res
+
+    def _initial_by_subtask(self, maxp: int):
+        """The initial state rows per subtask (collected to the driver once, on the first batch)."""
+        if self.initial_state is None:
+            return None
+        if not self.is_processor:
+            raise ValueError("initial_state needs a StatefulProcessor (handleInitialState)")
+        import numpy as np
+
+        from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+
+        pdf = self.initial_state
+        if not type(pdf).__module__.startswith("pandas"):
+            pdf = pdf.toPandas()
+        if self.key not in pdf.columns:
+            raise ValueError(f"initial_state lacks the key column {self.key!r} (columns: {', '.join(pdf.columns)})")
+        nulls = int(pdf[self.key].isna().sum())
+        if nulls:
+            if self.null_keys == "error":
+                raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in initial_state; "
+                                   f"pass null_keys='drop' to drop them")
+            pdf = pdf[pdf[self.key].notna()]
+        subs = operator_indices_for_key_groups(assign_key_groups(pdf[self.key], maxp), maxp, self.parallelism)
+        return {i: pdf[subs == i].reset_index(drop=True) for i in np.unique(subs).tolist()}
+
+
+def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The changelog storage's options: `dstl.dfs.*` keys (short keys get the prefix), validated, with
+    the job's base path as the storage base path unless given."""
+    from dstl.config import PREFIX, StorageConfig
+
+    mapping: Dict[str, Any] = {}
+    for k, v in (options or {}).items():
+        k = str(k).strip()
+        mapping[k if k.startswith(("dstl.", "state.changelog.")) else PREFIX + k] = v
+    mapping.setdefault(PREFIX + "base-path", base_path)
+    try:
+        return StorageConfig.from_mapping(mapping).to_mapping()
+    except ValueError as exc:
+        raise ValueError(f"storage_options: {exc}") from None
+
+
+def _output_arrow_schema(schema: Any):
+    from dstl.spark.keyed import _arrow_output_schema
+
+    try:
+        return _arrow_output_schema(schema)
+    except Exception as exc:
+        raise ValueError(f"output_schema {schema!r} is not a valid DDL string or StructType: {exc}") from None
+
+
+def _subtask_column(df, key: str, max_parallelism: int, parallelism: int):
+    """The logical subtask of each row's key (-1 for a null key), as a vectorised pandas UDF."""
+    from pyspark.sql import functions as F
+
+    from dstl.spark.keyed import ensure_importable_on_workers
+
+    ensure_importable_on_workers(df.sparkSession)
+    maxp, p = max_parallelism, parallelism
+
+    @F.pandas_udf("int")
+    def subtask(keys):  # pragma: no cover - runs in the Python worker
+        import numpy as np
+        import pandas as pd
+
+        from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+
+        null = keys.isna().to_numpy()
+        out = np.full(len(keys), -1, dtype=np.int32)
+        if (~null).any():
+            vals = keys[~null]
+            if vals.dtype.kind == "f":  # an integer column with nulls arrives as float
+                vals = vals.astype("int64")
+            out[~null] = operator_indices_for_key_groups(assign_key_groups(vals, maxp), maxp, p)
+        return pd.Series(out, index=keys.index)
+
+    return subtask(F.col(key))
+
+
+def _event_ms(df, column: str):
+    """The event time as epoch milliseconds: a timestamp column, or a number already in ms."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    dtype = df.schema[column].dataType
+    if isinstance(dtype, (T.TimestampType, T.TimestampNTZType)):
+        return F.unix_millis(F.col(column).cast("timestamp"))
+    if isinstance(dtype, (T.IntegerType, T.LongType, T.ShortType, T.ByteType)):
+        return F.col(column).cast("long")
+    raise TypeError(f"event_time_column {column!r} must be a timestamp or an integer of epoch ms, "
+                    f"not {dtype.simpleString()}")
