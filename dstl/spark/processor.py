@@ -327,6 +327,7 @@ def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str
     from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
 
     handle = ProcessorHandle(backend, ctx)
+    backend.ttl_clock = handle._batch_clock  # TTL purges at materialization use the batch time too
     processor.init(handle)
     tv = ctx.timer_values()
     out: List[Any] = []
@@ -369,7 +370,10 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
     if not is_stateful_processor(processor):
         fn = processor
 
+        ts = ctx.batch_timestamp_ms
+
         def vectorised(rows, backend):
+            backend.ttl_clock = lambda: ts  # TTL states of fn expire against the batch timestamp
             return fn(rows, backend) if len(rows) else None
 
         return vectorised

@@ -33,7 +33,8 @@ from dstl.state import changes as C
 from dstl.state.columns import Column
 from dstl.state.serializers import resolve_serializer
 from dstl.types import KeyGroupRange
-from dstl.state.base import _KEY_TYPES, _State
+from dstl.state.base import _KEY_TYPES, _State, _norm_key
+from dstl.state.ttl import wall_clock_ms
 from dstl.state.list import ListState
 from dstl.state.map import MapState
 from dstl.state.restore import replay_snapshots
@@ -68,7 +69,7 @@ class KeyedStateBackend:
 
     def __init__(self, storage, operator_id: str, key_group_range: KeyGroupRange, max_parallelism: int, *,
                  materialize_every_changes: Optional[int] = None, materialize_every_bytes: Optional[int] = None,
-                 serializer: Any = None):
+                 serializer: Any = None, ttl_clock: Optional[Callable[[], int]] = None):
         if isinstance(max_parallelism, bool) or not isinstance(max_parallelism, (int, np.integer)):
             raise TypeError(f"max_parallelism must be an int, got {type(max_parallelism).__name__}")
         max_parallelism = int(max_parallelism)
@@ -109,13 +110,13 @@ class KeyedStateBackend:
         self._closed = False
         self.restore_stats: Dict[str, int] = {}
         self.materializations = 0
+        #: milliseconds "now" for TTL states (dstl.state.ttl); settable (StatefulStream: the batch time)
+        self.ttl_clock: Callable[[], int] = ttl_clock or wall_clock_ms
 
     # -- keys and appends -----------------------------------------------------------------------
     def _kg(self, key: Any) -> int:
         if type(key) not in _KEY_TYPES:
-            if isinstance(key, np.integer):
-                raise TypeError(f"state keys must be Python int, str or bytes; convert {type(key).__name__} "
-                                f"with int()")
+            key = _norm_key(key)  # numpy integer / str / bytes scalars are keys too
             if isinstance(key, bool) or not isinstance(key, _KEY_TYPES):
                 raise TypeError(f"state keys must be int, str or bytes, got {type(key).__name__}: {key!r}")
         kg = assign_to_key_group(key, self.max_parallelism)
@@ -193,20 +194,37 @@ class KeyedStateBackend:
     def _new_state(self, kind: str, meta: C.StateMeta, serializer: Any) -> _State:
         return _KIND_CLASSES[kind](self, meta, serializer)
 
-    def value_state(self, name: str, serializer: Any = None) -> ValueState:
-        """Get or register a ValueState (one METADATA change on first registration)."""
-        return self._register(name, "value", serializer, {})
+    def value_state(self, name: str, serializer: Any = None, ttl_ms: Optional[int] = None) -> ValueState:
+        """Get or register a ValueState (one METADATA change on first registration).
 
-    def list_state(self, name: str, serializer: Any = None, max_length: Optional[int] = None) -> ListState:
-        """Get or register a ListState; `max_length` keeps only the last N elements per key."""
+        `ttl_ms`: values expire that long after their last update (processing time, `ttl_clock`);
+        the result is then a `dstl.state.ttl.TtlValueState` view."""
+        return self._with_ttl(name, "value", serializer, {}, ttl_ms)
+
+    def list_state(self, name: str, serializer: Any = None, max_length: Optional[int] = None,
+                   ttl_ms: Optional[int] = None) -> ListState:
+        """Get or register a ListState; `max_length` keeps only the last N elements per key;
+        `ttl_ms`: each element expires that long after it was written (a TtlListState view)."""
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                        or max_length <= 0):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        return self._register(name, "list", serializer, {} if max_length is None else {"max_length": max_length})
+        return self._with_ttl(name, "list", serializer, {} if max_length is None else {"max_length": max_length},
+                              ttl_ms)
 
-    def map_state(self, name: str, serializer: Any = None) -> MapState:
-        """Get or register a MapState (the serializer applies to map values)."""
-        return self._register(name, "map", serializer, {})
+    def map_state(self, name: str, serializer: Any = None, ttl_ms: Optional[int] = None) -> MapState:
+        """Get or register a MapState (the serializer applies to map values); `ttl_ms`: each entry
+        expires that long after its last put (a TtlMapState view)."""
+        return self._with_ttl(name, "map", serializer, {}, ttl_ms)
+
+    def _with_ttl(self, name: str, kind: str, serializer: Any, options: Dict[str, Any], ttl_ms: Any):
+        from dstl.state import ttl as T
+
+        ttl_ms = T.check_ttl(ttl_ms)
+        if ttl_ms is None:
+            return self._register(name, kind, serializer, options)
+        raw = self._register(name, kind, serializer, dict(options, **{T.TTL_OPTION: True}))
+        view = {"value": T.TtlValueState, "list": T.TtlListState, "map": T.TtlMapState}[kind]
+        return view(raw, ttl_ms, lambda: self.ttl_clock())
 
     def reducing_state(self, name: str, reduce_fn: Callable[[Any, Any], Any], serializer: Any = None) -> ReducingState:
         """Get or register a ReducingState (re-registering after a restore attaches `reduce_fn`)."""
@@ -310,8 +328,10 @@ class KeyedStateBackend:
 
         A no-op when nothing changed since the last materialization, unless `force`."""
         from dstl.state.materialize import materialize
+        from dstl.state.ttl import purge_expired
 
         self._check_open()
+        purge_expired(self, self.ttl_clock())  # expired TTL values are not carried into the snapshot
         materialize(self, force=force)
 
     # -- restore --------------------------------------------------------------------------------

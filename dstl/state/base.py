@@ -18,6 +18,18 @@ _KEY_TYPES = (int, str, bytes)
 _USER_KEY_TYPES = (int, str, bytes, float, bool, type(None))
 
 
+def _norm_key(key: Any) -> Any:
+    """A numpy integer, str or bytes scalar as the plain Python key it stands for (anything else as
+    it is; `KeyedStateBackend._kg` rejects what is not a key). Stored keys are always plain Python."""
+    if isinstance(key, np.generic) and not isinstance(key, np.bool_):
+        v = key.item()
+        if isinstance(v, _KEY_TYPES) and not isinstance(v, bool):
+            return v
+    elif type(key) is not bool and isinstance(key, _KEY_TYPES):
+        return int(key) if isinstance(key, int) else str(key) if isinstance(key, str) else bytes(key)
+    return key
+
+
 class _State:
     """Common part of the state kinds: identity, serializer, table access, bulk encoding."""
 
@@ -96,6 +108,8 @@ class _State:
 
     def clear(self, key: Any) -> None:
         """Remove the key's state (one CLEAR change, even if there was none, as Flink logs it)."""
+        if type(key) not in _KEY_TYPES:
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.CLEAR, [key])
         self._forget(kg, key)

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column
-from dstl.state.base import _State
+from dstl.state.base import _KEY_TYPES, _State, _norm_key
 
 
 class ListState(_State):
@@ -40,6 +40,8 @@ class ListState(_State):
         return [[] if s is None else list(s.get(k, ())) for s, k in self._lookup_many(keys)]
 
     def add(self, key: Any, value: Any) -> None:
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD_ELEMENT, [key, self._w(value)])
         s = self._table(kg)
@@ -55,6 +57,8 @@ class ListState(_State):
         values = list(values)
         if not values:
             return
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD, [key, [self._w(v) for v in values]])
         s = self._table(kg)
@@ -67,6 +71,8 @@ class ListState(_State):
         if not values:
             self.clear(key)
             return
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.SET, [key, [self._w(v) for v in values]])
         self._table(kg)[key] = self._trim(values)

@@ -8,7 +8,7 @@ import numpy as np
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column
-from dstl.state.base import _USER_KEY_TYPES, _State
+from dstl.state.base import _KEY_TYPES, _USER_KEY_TYPES, _State, _norm_key
 
 
 def _check_user_key(uk: Any) -> None:
@@ -73,6 +73,8 @@ class MapState(_State):
 
     def put(self, key: Any, user_key: Any, value: Any) -> None:
         _check_user_key(user_key)
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD_OR_UPDATE_ELEMENT, [key, user_key, self._w(value)])
         self._table(kg).setdefault(key, {})[user_key] = value
@@ -84,6 +86,8 @@ class MapState(_State):
             return
         for uk in mapping:
             _check_user_key(uk)
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD, [key, {uk: self._w(v) for uk, v in mapping.items()}])
         self._table(kg).setdefault(key, {}).update(mapping)
@@ -92,6 +96,8 @@ class MapState(_State):
     def remove(self, key: Any, user_key: Any) -> None:
         """Remove one entry (one REMOVE_ELEMENT change); an empty map means no state for the key."""
         _check_user_key(user_key)
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.REMOVE_ELEMENT, [key, user_key])
         self._remove(kg, key, user_key)

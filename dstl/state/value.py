@@ -8,7 +8,7 @@ import numpy as np
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column, dict_update_rows, pack_bin_rows
-from dstl.state.base import _State, _row_values
+from dstl.state.base import _KEY_TYPES, _State, _norm_key, _row_values
 
 
 class ValueState(_State):
@@ -26,6 +26,8 @@ class ValueState(_State):
         if value is None:
             self.clear(key)
             return
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.SET, [key, self._w(value)])
         self._table(kg)[key] = value
@@ -103,6 +105,8 @@ class ReducingState(ValueState):
 
     def add(self, key: Any, value: Any) -> None:
         fn = self._fn()
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+            key = _norm_key(key)
         kg = self._b._kg(key)
         s = self._table(kg)
         new = fn(s[key], value) if key in s else value
