@@ -362,23 +362,55 @@ def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str
 
 
 def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
-                 initial_by_subtask: Optional[Dict[int, Any]] = None) -> Callable:
+                 initial_by_subtask: Optional[Dict[int, Any]] = None,
+                 event_col: Optional[str] = None) -> Callable:
     """`fn(rows, backend)` for the stateful task: a StatefulProcessor, or a vectorised function
-    (called as is) when `processor` is not one. Called for every subtask, also without rows."""
+    (called as is) when `processor` is not one.
+
+    Before the user's code sees the rows, null keys are counted and dropped (the driver decides
+    whether that is an error), and with `event_col` (epoch ms) late rows (before the watermark) are
+    counted and dropped, the batch's maximum event time noted, and the column removed."""
     from dstl.spark import keyed as K
 
-    if not is_stateful_processor(processor):
+    vectorised = not is_stateful_processor(processor)
+    ts = ctx.batch_timestamp_ms
+
+    def prepare(rows):
+        metrics = K.task_metrics()
+        if not len(rows):
+            if event_col is not None and event_col in rows.columns:
+                rows = rows.drop(columns=[event_col])
+            return rows
+        null = rows[key_col].isna().to_numpy()
+        if null.any():
+            metrics["null_rows"] = int(null.sum())
+            rows = rows[~null]
+        if event_col is not None:
+            et = rows[event_col].to_numpy()
+            late = et < ctx.watermark_ms
+            if late.any():
+                metrics["late_rows"] = int(late.sum())
+                rows = rows[~late]
+                et = et[~late]
+            if len(et):
+                metrics["max_event_ms"] = int(et.max())
+            rows = rows.drop(columns=[event_col])
+        if null.any() and rows[key_col].dtype.kind == "f":  # an integer key column that held nulls
+            rows = rows.astype({key_col: "int64"})
+        return rows.reset_index(drop=True)
+
+    if vectorised:
         fn = processor
 
-        ts = ctx.batch_timestamp_ms
-
-        def vectorised(rows, backend):
+        def vectorised_fn(rows, backend):
             backend.ttl_clock = lambda: ts  # TTL states of fn expire against the batch timestamp
+            rows = prepare(rows)
             return fn(rows, backend) if len(rows) else None
 
-        return vectorised
+        return vectorised_fn
 
     def task_fn(rows, backend):
+        rows = prepare(rows)
         sub = K.current_subtask()
         init = None if initial_by_subtask is None else initial_by_subtask.get(sub)
         local = BatchContext(ctx.batch_timestamp_ms, ctx.watermark_ms, ctx.time_mode, init)

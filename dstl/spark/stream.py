@@ -54,6 +54,8 @@ class StreamBatchResult(BatchResult):
     batch_timestamp_ms: int = 0
     timers_fired: int = 0
     sink_called: bool = False
+    #: where the batch's time went on the driver: prepare (key column, counts, persist), tasks, commit
+    phases_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 _UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 1000, "second": 1000,
@@ -235,8 +237,6 @@ class StatefulStream:
 
     def _run_batch(self, df, batch_id: int) -> "StreamBatchResult":
         from pyspark import StorageLevel
-        from pyspark.sql import functions as F
-
         from dstl.spark import faults
         from dstl.spark.keyed import (SUBTASK_COL, TaskReport, stateful_map_in_pandas_pinned)
         from dstl.spark.processor import BatchContext, make_task_fn
@@ -254,39 +254,35 @@ class StatefulStream:
         latest = coord.latest
         watermark = int(latest.properties.get("watermark_ms", 0)) if latest is not None else 0
         maxp = coord.spec.max_parallelism
+        # null keys ride with subtask 0, whose task counts and drops them (no extra pass over the input)
         keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
-        aggs = [F.count(F.lit(1)).alias("n"),
-                F.sum(F.when(F.col(SUBTASK_COL) < 0, 1).otherwise(0)).alias("nulls")]
         if self.time_mode == "EventTime":
             keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
-            ok = F.col(SUBTASK_COL) >= 0
-            aggs += [F.sum(F.when(ok & (F.col(ET_COL) < watermark), 1).otherwise(0)).alias("late"),
-                     F.max(F.when(ok & (F.col(ET_COL) >= watermark), F.col(ET_COL))).alias("max_et")]
+        # each subtask's branch scans this; Spark computes a cached partition once, the others wait for it
         keyed = keyed.persist(StorageLevel.MEMORY_AND_DISK)
+        t_prep = time.perf_counter()
         try:
-            stats_row = keyed.agg(*aggs).first()  # one pass: also fills the persisted input
-            n_in = int(stats_row["n"])
-            nulls = int(stats_row["nulls"] or 0)
-            if nulls and self.null_keys == "error":
-                raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in batch {batch_id} "
-                                   f"(of {n_in} rows); pass null_keys='drop' to drop and count them")
-            late = int(stats_row["late"] or 0) if self.time_mode == "EventTime" else 0
-            max_et = stats_row["max_et"] if self.time_mode == "EventTime" else None
-            keep = F.col(SUBTASK_COL) >= 0
-            if self.time_mode == "EventTime":
-                keep = keep & (F.col(ET_COL) >= watermark)
-            routed = keyed.filter(keep) if (nulls or late) else keyed
-            if ET_COL in routed.columns:
-                routed = routed.drop(ET_COL)
             ctx = BatchContext(batch_ts, watermark, self.time_mode)
             initial = self._initial_by_subtask(maxp) if latest is None else None
-            fn = make_task_fn(self.processor, self.key, ctx, initial)
+            fn = make_task_fn(self.processor, self.key, ctx, initial,
+                              event_col=ET_COL if self.time_mode == "EventTime" else None)
             plan = coord.plan(batch_id, self.parallelism)
             plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-            reports_df = stateful_map_in_pandas_pinned(routed, fn, self.output_schema, checkpoint=plan)
+            reports_df = stateful_map_in_pandas_pinned(keyed, fn, self.output_schema, checkpoint=plan)
             reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
+            t_tasks = time.perf_counter()
         finally:
             keyed.unpersist()
+        nulls = sum(r.metric("null_rows") for r in reports)
+        if nulls and self.null_keys == "error":
+            # no checkpoint: the tasks' work is abandoned, the next attempt restores the last checkpoint
+            raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in batch {batch_id} "
+                               f"(of {sum(r.rows_in for r in reports) + nulls} rows); pass null_keys='drop' "
+                               f"to drop and count them")
+        late = sum(r.metric("late_rows") for r in reports)
+        event_max = [r.metric("max_event_ms", None) for r in reports]
+        event_max = [m for m in event_max if m is not None]
+        max_et = max(event_max) if event_max else None
         new_wm = watermark
         if self.time_mode == "EventTime" and max_et is not None:
             new_wm = max(watermark, int(max_et) - self.watermark_delay_ms)
@@ -298,6 +294,7 @@ class StatefulStream:
         stats = coord.complete(plan, reports, properties=props,
                                after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
         sink_called = self._deliver(spark, batch_id, plan.checkpoint_id)
+        t_end = time.perf_counter()
         faults.point("stream.after_sink", batch_id)
         restored = [r for r in reports if r.restored]
         res = StreamBatchResult(
@@ -306,7 +303,9 @@ class StatefulStream:
             checkpoint_ms=max(r.snapshot_ms for r in reports) + stats.metadata_ms,
             restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
             reports=reports, stats=stats, batch_id=batch_id, late_rows=late, null_rows=nulls,
-            watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called)
+            watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called,
+            phases_ms={"prepare": (t_prep - t0) * 1e3, "tasks": (t_tasks - t_prep) * 1e3,
+                       "commit": (t_end - t_tasks) * 1e3})
         self.results.append(res)
         return res
 
@@ -401,7 +400,8 @@ def _output_arrow_schema(schema: Any):
 
 
 def _subtask_column(df, key: str, max_parallelism: int, parallelism: int):
-    """The logical subtask of each row's key (-1 for a null key), as a vectorised pandas UDF."""
+    """The logical subtask of each row's key, as a vectorised pandas UDF (null keys: subtask 0,
+    whose task counts and drops them)."""
     from pyspark.sql import functions as F
 
     from dstl.spark.keyed import ensure_importable_on_workers
@@ -417,7 +417,7 @@ def _subtask_column(df, key: str, max_parallelism: int, parallelism: int):
         from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
 
         null = keys.isna().to_numpy()
-        out = np.full(len(keys), -1, dtype=np.int32)
+        out = np.zeros(len(keys), dtype=np.int32)
         if (~null).any():
             vals = keys[~null]
             if vals.dtype.kind == "f":  # an integer column with nulls arrives as float
