@@ -173,7 +173,8 @@ def _codec(dt) -> Tuple[Callable[[Any], Any], Callable[[Any], Any]]:
 
     if isinstance(dt, T.StructType):
         inner = ValueSchema(dt)
-        return inner.encode, inner.decode
+        return (lambda v: None if v is None else inner.encode(v),
+                lambda w: None if w is None else inner.decode(w))
     if isinstance(dt, T.ArrayType):
         enc, dec = _codec(dt.elementType)
         return (lambda v: None if v is None else [enc(x) for x in v],
