@@ -277,7 +277,7 @@ class StatefulStream:
         if nulls and self.null_keys == "error":
             # no checkpoint: the tasks' work is abandoned, the next attempt restores the last checkpoint
             raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in batch {batch_id} "
-                               f"(of {sum(r.rows_in for r in reports) + nulls} rows); pass null_keys='drop' "
+                               f"(of {sum(r.rows_in for r in reports)} rows); pass null_keys='drop' "
                                f"to drop and count them")
         late = sum(r.metric("late_rows") for r in reports)
         event_max = [r.metric("max_event_ms", None) for r in reports]
@@ -298,7 +298,8 @@ class StatefulStream:
         faults.point("stream.after_sink", batch_id)
         restored = [r for r in reports if r.restored]
         res = StreamBatchResult(
-            batch=batch_id, checkpoint_id=plan.checkpoint_id, rows_in=sum(r.rows_in for r in reports),
+            batch=batch_id, checkpoint_id=plan.checkpoint_id,
+            rows_in=sum(r.rows_in for r in reports) - nulls - late,  # what the processor was given
             rows_out=sum(r.rows_out for r in reports), seconds=time.perf_counter() - t0,
             checkpoint_ms=max(r.snapshot_ms for r in reports) + stats.metadata_ms,
             restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
