@@ -18,36 +18,12 @@ from dstl.spark import faults  # noqa: E402
 from dstl.spark.coordinator import JobConflictError  # noqa: E402
 from dstl.spark.stream import NullKeyError, StreamGapError  # noqa: E402
 
-# the processors below live in this test module, which Spark's Python workers cannot import
+import stream_driver  # noqa: E402
+from stream_driver import OUT, Counting  # noqa: E402
+
+# the processors live in test modules, which Spark's Python workers cannot import
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-OUT = "user string, n long, items long, buckets long, evens long"
-
-
-class Counting(StatefulProcessor):
-    """Per user: a count (value), every value seen (list) and a count per parity (map)."""
-
-    def init(self, handle):
-        self.count = handle.getValueState("count", "n long")
-        self.seen = handle.getListState("seen", "v long")
-        self.parity = handle.getMapState("parity", "p string", "c long")
-
-    def handleInputRows(self, key, rows, timerValues):
-        n = self.count.get()[0] if self.count.exists() else 0
-        for pdf in rows:
-            n += len(pdf)
-            self.seen.appendList([(v,) for v in pdf["v"].tolist()])
-            for v in pdf["v"].tolist():
-                p = ("even",) if v % 2 == 0 else ("odd",)
-                old = self.parity.getValue(p)
-                self.parity.updateValue(p, ((old[0] if old else 0) + 1,))
-        self.count.update((n,))
-        evens = self.parity.getValue(("even",))
-        yield pd.DataFrame({"user": [key[0]], "n": [n], "items": [len(list(self.seen.get()))],
-                            "buckets": [len(list(self.parity.keys()))], "evens": [evens[0] if evens else 0]})
-
-    def close(self):
-        pass
+cloudpickle.register_pickle_by_value(stream_driver)
 
 
 def _batch(b: int, users=8, rows=24) -> pd.DataFrame:

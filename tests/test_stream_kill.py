@@ -1,0 +1,100 @@
+"""SIGKILL a real Structured Streaming driver at the two worst moments, restart at another parallelism.
+
+Heavy (three driver processes, each with its own JVM): runs under the Cython build only; the
+in-process version of the same protocol (tests/test_stream.py) runs under both implementations.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from conftest import expected_implementation
+
+pytestmark = pytest.mark.skipif(expected_implementation() == "python",
+                                reason="heavy: runs once, under the Cython build")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _run_driver(args, faults_spec, timeout=600):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYSPARK_PYTHON=sys.executable,
+               SPARK_LOCAL_IP="127.0.0.1")
+    env.pop("DSTL_FAULTS", None)
+    if faults_spec:
+        env["DSTL_FAULTS"] = faults_spec
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_driver.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        _reap_group(proc.pid)
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _reap_group(pgid: int) -> None:
+    """The driver's JVM exits when its Python parent dies (stdin closes); wait for it, then make sure."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _write_inputs(input_dir, n_files=4, rows=30, users=7):
+    os.makedirs(input_dir)
+    files = []
+    for f in range(n_files):
+        pdf = pd.DataFrame({"user": [f"u{(f * 3 + i) % users}" for i in range(rows)],
+                            "v": [f * 1000 + i for i in range(rows)]})
+        path = os.path.join(input_dir, f"part-{f}.json")
+        with open(path, "w") as fh:
+            for rec in pdf.to_dict("records"):
+                fh.write(json.dumps(rec) + "\n")
+        os.utime(path, (1_700_000_000 + f, 1_700_000_000 + f))  # file order = batch order
+        files.append(pdf)
+    return files
+
+
+def test_sigkill_driver_after_checkpoint_and_after_sink_then_rescale(tmp_path):
+    from test_stream import _expected_counting
+
+    base, inputs, ckpt, sink_log = (str(tmp_path / n) for n in ("job", "in", "spark-ckpt", "sink.log"))
+    files = _write_inputs(inputs)
+
+    # 1: killed after batch 1's checkpoint is durable, before its output commit and sink
+    rc, out = _run_driver([base, inputs, ckpt, "2", sink_log], "stream.after_checkpoint@1=kill")
+    assert rc == -signal.SIGKILL, out[-3000:]
+    # 2: restart at parallelism 3; Spark replays batch 1; killed after batch 2's sink returned
+    rc, out = _run_driver([base, inputs, ckpt, "3", sink_log], "stream.after_sink@2=kill")
+    assert rc == -signal.SIGKILL, out[-3000:]
+    # 3: restart at parallelism 1; Spark replays batch 2 (no state change, no second sink call)
+    rc, out = _run_driver([base, inputs, ckpt, "1", sink_log], None)
+    assert rc == 0, out[-3000:]
+
+    with open(sink_log) as fh:
+        calls = [tuple(map(int, line.split())) for line in fh if line.strip()]
+    assert [b for b, _ in calls] == [0, 1, 2, 3]  # the sink saw every batch exactly once
+
+    from pyspark.sql import SparkSession  # noqa: F401 - the output is plain parquet: read it with pyarrow
+    import pyarrow.dataset as ds
+
+    got = ds.dataset(os.path.join(base, "output"), format="parquet", partitioning="hive").to_table().to_pandas()
+    cols = ["batch_id", "user", "n", "items", "buckets", "evens"]
+    got = got[cols].astype({"batch_id": "int64"}).sort_values(["batch_id", "user"]).reset_index(drop=True)
+    expected = _expected_counting(list(enumerate(files)))
+    pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+    assert [n for _, n in calls] == [int((expected.batch_id == b).sum()) for b in range(4)]
