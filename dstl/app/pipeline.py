@@ -8,9 +8,9 @@ Exit codes: 0 ok, 1 verification failed or the job failed, 2 bad options or path
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -361,14 +361,48 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
         own_session = SparkSession.getActiveSession() is None
     session = spark if spark is not None else spark_session(args.master)
     try:
-        return _run_batches(args, opts, coord, session, report, stream)
+        with _armed_faults(args, coord, session):
+            return _run_batches(args, opts, coord, session, report, stream)
     finally:
         if own_session:
             session.stop()  # a clean shutdown (local-cluster executors otherwise complain at exit)
 
 
+@contextlib.contextmanager
+def _armed_faults(args, coord, session):
+    """--fail-at / --kill-at through the one fault hook (dstl.spark.faults).
+
+    --fail-at B: subtask 0's first attempt of batch B crashes half-way (Spark retries it); armed in
+    DSTL_FAULTS for the whole run, so the Python workers see it and keep one environment (and so
+    one worker pool and warm caches). --kill-at B: the driver SIGKILLs itself once checkpoint B + 1
+    is durable, before the output commit."""
+    from dstl.spark import faults
+
+    specs = []
+    if args.fail_at is not None:
+        marker = f"{coord.base_path}/_dstl_failures/batch-{args.fail_at:06d}"
+        specs.append(f"task.mid_batch@{args.fail_at}/0=raise:once={marker}")
+    if args.kill_at is not None:
+        specs.append(f"pipeline.after_metadata@{args.kill_at}=kill")
+    if not specs:
+        yield
+        return
+    saved = os.environ.get(faults.ENV)
+    os.environ[faults.ENV] = ",".join(([saved] if saved else []) + specs)
+    try:
+        yield
+    finally:
+        env = session.sparkContext.environment
+        if saved is None:
+            os.environ.pop(faults.ENV, None)
+            env.pop(faults.ENV, None)
+        else:
+            os.environ[faults.ENV] = env[faults.ENV] = saved
+
+
 def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
     from dstl.app.activity import output_ddl, user_activity
+    from dstl.spark import faults
     from dstl.spark.job import StatefulJob
 
     source = opts.source
@@ -383,17 +417,14 @@ def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
     for b in range(coord.next_batch, source.batches):
         pdf = source.batch(b)
         df = pdf if args.routing == "driver" else session.createDataFrame(pdf, schema=events_schema)
-        fail = {}
-        if args.fail_at == b:
-            fail = {"fail_subtask": 0, "fail_marker": f"{coord.base_path}/_dstl_failures/batch-{b:06d}"}
-        hook = None
-        if args.kill_at == b:
-            def hook(batch=b):
-                stream.write(f"\n--kill-at {batch}: checkpoint {batch + 1} is written; killing the driver "
-                             f"(pid {os.getpid()}) before its output is committed\n")
-                stream.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-        res = job.run_batch(df, properties={"events": len(pdf)}, after_metadata=hook, **fail)
+
+        def announce(batch=b):
+            stream.write(f"\n--kill-at {batch}: checkpoint {batch + 1} is written; killing the driver "
+                         f"(pid {os.getpid()}) before its output is committed\n")
+            stream.flush()
+
+        res = job.run_batch(df, properties={"events": len(pdf)}, after_metadata=lambda batch=b: faults.point(
+            "pipeline.after_metadata", batch, before=lambda: announce(batch)))
         report.batches += 1
         report.details.append({
             "batch": b, "seconds": round(res.seconds, 3),

@@ -174,8 +174,7 @@ class CheckpointCoordinator:
             return 0 if self._memory_batch is None else self._memory_batch + 1
         return 0 if self.latest is None else int(self.latest.properties["batch"]) + 1
 
-    def plan(self, batch: int, parallelism: int, *, fail_subtask: Optional[int] = None,
-             fail_marker: Optional[str] = None) -> CheckpointPlan:
+    def plan(self, batch: int, parallelism: int) -> CheckpointPlan:
         """The plan for `batch` (checkpoint id batch + 1) at `parallelism` (may differ: rescale)."""
         if batch != self.next_batch:
             raise ValueError(f"batch {batch} is not the next one ({self.next_batch})")
@@ -190,8 +189,7 @@ class CheckpointCoordinator:
             parallelism=parallelism, max_parallelism=self.spec.max_parallelism,
             output_path=self.spec.output_path,
             restore_checkpoint_id=None if latest is None else latest.checkpoint_id,
-            restore_tokens=tokens, backend_options=self.backend_options,
-            fail_subtask=fail_subtask, fail_marker=fail_marker, durable=self.durable)
+            restore_tokens=tokens, backend_options=self.backend_options, durable=self.durable)
 
     def complete(self, plan: CheckpointPlan, reports: Sequence[TaskReport], *,
                  properties: Optional[Dict[str, Any]] = None,
@@ -223,7 +221,7 @@ class CheckpointCoordinator:
         t1 = time.perf_counter()
         self.latest = meta
         if after_metadata is not None:
-            after_metadata()  # --kill-at hooks in here: checkpoint durable, output not yet committed
+            after_metadata()  # checkpoint durable, output not yet committed (a fault point's place)
         self.commit_output(meta)
         t2 = time.perf_counter()
         new_files, new_bytes, deleted = self.collect_garbage()

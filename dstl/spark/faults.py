@@ -3,8 +3,8 @@
 Code calls ``faults.point(name, batch)`` at the moments a test may want to break; nothing happens
 unless a fault is armed for that point and batch. Arm faults either
 
-* in the environment, ``DSTL_FAULTS="<point>@<batch>=<action>[,...]"`` (Spark forwards ``DSTL_*``
-  variables to its Python workers, so task-side points work too), or
+* in the environment, ``DSTL_FAULTS="<point>@<batch>[/<subtask>]=<action>[,...]"`` (Spark forwards
+  ``DSTL_*`` variables to its Python workers, so task-side points work too), or
 * in-process, ``with faults.armed("stream.after_checkpoint@2=raise"): ...`` (same syntax).
 
 Actions: ``kill`` (SIGKILL this process: a real crash, no cleanup), ``raise`` (raise
@@ -26,7 +26,7 @@ import contextlib
 import os
 import signal
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 ENV = "DSTL_FAULTS"
 
@@ -43,6 +43,7 @@ class Fault:
     batch: Optional[int]  # None: every batch
     action: str
     once: Optional[str] = None
+    subtask: Optional[int] = None  # None: any subtask (task-side points)
 
 
 def parse(spec: str) -> List[Fault]:
@@ -58,14 +59,13 @@ def parse(spec: str) -> List[Fault]:
         if action not in ("kill", "raise"):
             raise ValueError(f"{ENV}: unknown action {action!r} in {item!r} (kill or raise)")
         name, _, batch = where.partition("@")
-        if batch in ("", "*"):
-            b = None
-        else:
-            try:
-                b = int(batch)
-            except ValueError:
-                raise ValueError(f"{ENV}: batch {batch!r} in {item!r} is not an int") from None
-        faults.append(Fault(name.strip(), b, action, once))
+        batch, _, subtask = batch.partition("/")
+        try:
+            b = None if batch in ("", "*") else int(batch)
+            s = None if subtask in ("", "*") else int(subtask)
+        except ValueError:
+            raise ValueError(f"{ENV}: batch/subtask in {item!r} must be ints") from None
+        faults.append(Fault(name.strip(), b, action, once, s))
     return faults
 
 
@@ -89,16 +89,22 @@ def _env_faults() -> List[Fault]:
     return parse(spec) if spec else []
 
 
-def point(name: str, batch: Optional[int] = None, detail: str = "") -> None:
-    """A named moment: fire the fault armed for it, if any."""
+def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = None,
+          before: Optional[Callable[[], None]] = None, detail: str = "") -> None:
+    """A named moment: fire the fault armed for it, if any (calling `before()` first: e.g. apply
+    half a batch, or print what is about to happen)."""
     if not _ARMED and ENV not in os.environ:
         return
     for f in _ARMED + _env_faults():
-        if f.point != name or (f.batch is not None and f.batch != batch):
+        if f.point != name or (f.batch is not None and f.batch != batch) \
+                or (f.subtask is not None and f.subtask != subtask):
             continue
         if f.once is not None and not _claim(f.once):
             continue
-        msg = f"injected fault at {name} (batch {batch}){': ' + detail if detail else ''}"
+        if before is not None:
+            before()
+        where = f"batch {batch}" + (f", subtask {subtask}" if subtask is not None else "")
+        msg = f"injected fault at {name} ({where}){': ' + detail if detail else ''}"
         if f.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(msg)

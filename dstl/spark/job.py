@@ -58,12 +58,11 @@ class StatefulJob:
         self.spark = spark
         self.events_schema = events_schema
 
-    def run_batch(self, df, *, fail_subtask: Optional[int] = None, fail_marker: Optional[str] = None,
-                  properties: Optional[Dict[str, Any]] = None,
+    def run_batch(self, df, *, properties: Optional[Dict[str, Any]] = None,
                   after_metadata: Optional[Callable[[], None]] = None) -> BatchResult:
         coord = self.coordinator
         batch = coord.next_batch
-        plan = coord.plan(batch, self.parallelism, fail_subtask=fail_subtask, fail_marker=fail_marker)
+        plan = coord.plan(batch, self.parallelism)
         t0 = time.perf_counter()
         if _is_pandas(df):  # driver-held batch: routed on the driver, subtasks pinned to workers
             if self.spark is None:

@@ -164,9 +164,6 @@ class CheckpointPlan:
     restore_checkpoint_id: Optional[int] = None
     restore_tokens: Optional[Tuple[str, ...]] = None
     backend_options: Dict[str, Any] = field(default_factory=dict)
-    #: --fail-at: this subtask's first attempt crashes half-way through `fn` (marker file = once)
-    fail_subtask: Optional[int] = None
-    fail_marker: Optional[str] = None
     #: False: the benchmark baseline, state only in the worker's memory (no changelog, no recovery)
     durable: bool = True
     #: call `fn` also for a subtask without rows (StatefulStream: timers fire without input)
@@ -174,10 +171,6 @@ class CheckpointPlan:
 
     def staging_dir(self) -> str:
         return f"{self.output_path.rstrip('/')}/_staging/batch-{self.batch:06d}"
-
-
-class InjectedFailure(RuntimeError):
-    """The crash requested by --fail-at (only the first attempt of the chosen task raises it)."""
 
 
 @dataclass
@@ -331,8 +324,7 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
         if from_memory:
             # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
             backend.confirm(plan.restore_checkpoint_id)
-        if plan.fail_subtask == subtask and plan.fail_marker:
-            _maybe_fail(plan, fn, rows, backend)
+        _fault_mid_batch(plan, fn, rows, backend, subtask)
         _TASK["subtask"], _TASK["metrics"] = subtask, {}
         try:
             out = fn(rows, backend) if len(rows) or plan.call_without_rows else None
@@ -389,21 +381,19 @@ def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attem
                 continued=False)
 
 
-def _maybe_fail(plan: CheckpointPlan, fn: Callable, rows, backend) -> None:
-    """--fail-at: the first attempt applies half of its rows to the state, then crashes."""
-    import fsspec
+def _fault_mid_batch(plan: CheckpointPlan, fn: Callable, rows, backend, subtask: int) -> None:
+    """The `task.mid_batch` fault point (dstl.spark.faults; the pipeline's --fail-at): when armed,
+    half of the rows reach the state, then the task crashes."""
+    from dstl.spark import faults
 
-    fs, marker = fsspec.core.url_to_fs(plan.fail_marker)
-    if fs.exists(marker):
-        return
-    fs.makedirs(marker.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(marker, "wb") as f:
-        f.write(f"crashed batch {plan.batch} subtask {plan.fail_subtask}\n".encode())
     half = rows.iloc[: len(rows) // 2]
-    if len(half):
-        fn(half, backend)
-    raise InjectedFailure(f"injected failure (--fail-at {plan.batch}) in subtask {plan.fail_subtask} "
-                          f"after applying {len(half)} of {len(rows)} rows; Spark retries the task")
+
+    def apply_half() -> None:
+        if len(half):
+            fn(half, backend)
+
+    faults.point("task.mid_batch", plan.batch, subtask=subtask, before=apply_half,
+                 detail=f"crashed after applying {len(half)} of {len(rows)} rows; Spark retries the task")
 
 
 def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequence[str],
