@@ -56,6 +56,14 @@ class JobSpec:
     @staticmethod
     def new(operator_id: str, max_parallelism: int, output_path: Optional[str] = None,
             params: Optional[Dict[str, Any]] = None) -> "JobSpec":
+        """A new job's spec; `max_parallelism` 0 = "take the stored one" (resume). This is where the
+        Spark layer validates max parallelism: plans and tasks trust the value they are given."""
+        from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
+
+        if isinstance(max_parallelism, bool) or not isinstance(max_parallelism, int) \
+                or not 0 <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
+            raise ValueError(f"max_parallelism must be an int in 1..{UPPER_BOUND_MAX_PARALLELISM}, "
+                             f"got {max_parallelism!r}")
         return JobSpec(uuid.uuid4().hex, operator_id, max_parallelism, output_path, dict(params or {}))
 
 
@@ -137,6 +145,8 @@ class CheckpointCoordinator:
                 except (ValueError, TypeError) as exc:
                     raise JobConflictError(f"{_join(base, JOB_FILE)} is not a dstl job file: {exc}") from None
         if not resume:
+            if spec.max_parallelism < 1:
+                raise ValueError(f"a new job needs max_parallelism >= 1, got {spec.max_parallelism}")
             if stored is not None:
                 raise JobConflictError(f"base path {base} already holds job {stored.job_id} "
                                        f"(operator {stored.operator_id}); use --resume or another base path")

@@ -68,13 +68,11 @@ class StatefulJob:
             if self.spark is None:
                 raise ValueError("a pandas micro-batch needs StatefulJob(spark=...)")
             reports_df = stateful_map_in_pandas_local(
-                self.spark, df, self.fn, self.schema, key=self.key, parallelism=self.parallelism,
-                max_parallelism=plan.max_parallelism, checkpoint=plan, order_by=self.order_by,
+                self.spark, df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by,
                 events_schema=self.events_schema)
         else:
             reports_df = stateful_map_in_pandas(
-                df, self.fn, self.schema, key=self.key, parallelism=self.parallelism,
-                max_parallelism=plan.max_parallelism, checkpoint=plan, order_by=self.order_by)
+                df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by)
         # collected exactly once: a second evaluation would run the tasks again
         reports = [TaskReport.from_row(r) for r in reports_df.collect()]
         stats = coord.complete(plan, reports, properties=properties, after_metadata=after_metadata)

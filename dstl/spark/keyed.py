@@ -433,8 +433,8 @@ def _arrow_output_schema(schema):
 SLOT_ENV = "DSTL_SUBTASK_SLOT"
 
 
-def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, parallelism: int,
-                                 max_parallelism: int, checkpoint: CheckpointPlan,
+def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
+                                 parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
                                  order_by: Optional[Sequence[str]] = None, events_schema: Any = None):
     """Same as `stateful_map_in_pandas` for a micro-batch held by the driver as a pandas DataFrame.
 
@@ -448,6 +448,8 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
 
+    parallelism = checkpoint.parallelism if parallelism is None else parallelism
+    max_parallelism = checkpoint.max_parallelism if max_parallelism is None else max_parallelism
     if checkpoint.parallelism != parallelism or checkpoint.max_parallelism != max_parallelism:
         raise ValueError(f"checkpoint plan is for parallelism {checkpoint.parallelism}/{checkpoint.max_parallelism}, "
                          f"called with {parallelism}/{max_parallelism}")
