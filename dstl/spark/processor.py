@@ -358,7 +358,34 @@ def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str
         processor.close()
     if not out:
         return None
-    return pd.concat(out, ignore_index=True) if len(out) > 1 else out[0]
+    return concat_frames(out)
+
+
+def concat_frames(frames: List[Any]):
+    """One DataFrame from many small ones (typically one per key): column arrays concatenated with
+    numpy, several times faster than `pd.concat` on tens of thousands of one-row frames; `pd.concat`
+    whenever the frames differ in columns or hold extension arrays."""
+    import numpy as np
+    import pandas as pd
+
+    if len(frames) == 1:
+        return frames[0]
+    cols = list(frames[0].columns)
+    if len(frames) < 64 or len(set(cols)) != len(cols):
+        return pd.concat(frames, ignore_index=True)
+    parts: List[List[Any]] = [[] for _ in cols]
+    try:
+        for f in frames:
+            if list(f.columns) != cols:
+                return pd.concat(frames, ignore_index=True)
+            for i in range(len(cols)):
+                arr = f._get_column_array(i)
+                if not isinstance(arr, np.ndarray):
+                    return pd.concat(frames, ignore_index=True)
+                parts[i].append(arr)
+    except AttributeError:  # a pandas without _get_column_array
+        return pd.concat(frames, ignore_index=True)
+    return pd.DataFrame({c: np.concatenate(p) for c, p in zip(cols, parts)})
 
 
 def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
