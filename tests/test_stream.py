@@ -59,7 +59,7 @@ def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp
     base = str(tmp_path / "job")
     batches = [(b, _batch(b)) for b in range(5)]
     stream = StatefulStream(base, Counting(), OUT, key="user", parallelism=2)
-    results = [stream.run(_sdf(spark, pdf)) for _, pdf in batches[:3]]
+    results = [stream(_sdf(spark, pdf), b) for b, pdf in batches[:3]]  # as foreachBatch calls it
     assert [r.batch_id for r in results] == [0, 1, 2]
     assert results[0].restored == 0  # a fresh job restores nothing
     # subtasks stay pinned to their Python workers: after the first batch they continue from memory
@@ -78,6 +78,9 @@ def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp
     assert r3.batch_id == 3 and r3.restored == 3
     r4 = StatefulStream(base, Counting(), OUT, key="user", parallelism=1).run(_sdf(spark, batches[4][1]))
     assert r4.restored == 1
+    # after run(), a query whose ids start over would skip rows silently: an error instead
+    with pytest.raises(StreamGapError, match="from run\\(\\)"):
+        StatefulStream(base, Counting(), OUT, key="user", parallelism=1)(_sdf(spark, batches[0][1]), 0)
 
     got = _read_output(spark, base + "/output")
     pd.testing.assert_frame_equal(got, _expected_counting(batches), check_dtype=False)

@@ -386,14 +386,13 @@ def _fault_mid_batch(plan: CheckpointPlan, fn: Callable, rows, backend, subtask:
     half of the rows reach the state, then the task crashes."""
     from dstl.spark import faults
 
-    half = rows.iloc[: len(rows) // 2]
-
     def apply_half() -> None:
+        half = rows.iloc[: len(rows) // 2]
         if len(half):
             fn(half, backend)
 
     faults.point("task.mid_batch", plan.batch, subtask=subtask, before=apply_half,
-                 detail=f"crashed after applying {len(half)} of {len(rows)} rows; Spark retries the task")
+                 detail=f"crashed after applying {len(rows) // 2} of {len(rows)} rows; Spark retries the task")
 
 
 def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequence[str],

@@ -16,12 +16,13 @@ One micro-batch is one dstl checkpoint, numbered by Spark's batch id. Per batch,
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional
 
 from dstl.spark.job import BatchResult
 
@@ -158,7 +159,8 @@ class StatefulStream:
         self._arrow_schema = _output_arrow_schema(output_schema)
         self._schemas = None
         self.coordinator = None
-        self.results = []
+        #: the latest batches' results (a long-running query keeps only these)
+        self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
 
     # ---------------------------------------------------------------- open or create
     def open(self):
@@ -204,12 +206,19 @@ class StatefulStream:
 
     def run(self, df) -> "StreamBatchResult":
         """Process a batch DataFrame (Spark or pandas) as the next micro-batch: one checkpoint."""
-        return self.process(df, self.open().next_batch)
+        return self.process(df, self.open().next_batch, source="run")
 
-    def process(self, df, batch_id: int) -> "StreamBatchResult":
+    def process(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
         coord = self.open()
         expected = coord.next_batch
         if batch_id < expected:
+            if coord.latest.properties.get("source") == "run":
+                # not a replay: Spark's ids would silently skip this batch's rows
+                raise StreamGapError(
+                    f"batch {batch_id} arrived from a streaming query, but the job at {self.base_path} "
+                    f"already holds batches up to {expected - 1} from run(); a query's batch ids must "
+                    f"continue the job's (start it with a fresh checkpoint location only after "
+                    f"{expected} batches, or give the job its own base path)")
             return self._replay(batch_id, df)
         if batch_id > expected:
             done = "no batch yet" if expected == 0 else f"batches up to {expected - 1}"
@@ -217,7 +226,7 @@ class StatefulStream:
                 f"batch {batch_id} arrived, but the job at {self.base_path} has completed {done}: batch "
                 f"ids must follow each other (was the Spark checkpoint location replaced, or another "
                 f"query's used?)")
-        return self._run_batch(df, batch_id)
+        return self._run_batch(df, batch_id, source)
 
     def close(self) -> None:
         """After the last batch (query stopped): delete changelog files no checkpoint needs."""
@@ -235,7 +244,7 @@ class StatefulStream:
             return spark, spark.createDataFrame(df) if len(df.columns) else df
         return df.sparkSession, df
 
-    def _run_batch(self, df, batch_id: int) -> "StreamBatchResult":
+    def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
         from pyspark import StorageLevel
         from dstl.spark import faults
         from dstl.spark.keyed import (SUBTASK_COL, TaskReport, stateful_map_in_pandas_pinned)
@@ -287,7 +296,7 @@ class StatefulStream:
         if self.time_mode == "EventTime" and max_et is not None:
             new_wm = max(watermark, int(max_et) - self.watermark_delay_ms)
         fired = sum(r.metric("timers_fired") for r in reports)
-        props = {"spark_batch_id": batch_id, "batch_timestamp_ms": batch_ts, "watermark_ms": new_wm,
+        props = {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts, "watermark_ms": new_wm,
                  "batch_watermark_ms": watermark, "late_rows": late, "null_rows_dropped": nulls,
                  "time_mode": self.time_mode, "state_schemas": self._schemas or {},
                  "timers_fired": fired}
