@@ -17,6 +17,8 @@ _EXPORTS: Dict[str, str] = {
     "latest_checkpoint": "dstl.state.metadata",
     "snapshot_operator_state": "dstl.state.operator", "restore_operator_state": "dstl.state.operator",
     "list_checkpoints": "dstl.state.metadata", "retained_files": "dstl.state.metadata",
+    "TimerService": "dstl.state.timers", "ValueSchema": "dstl.state.schema", "StateSchema": "dstl.state.schema",
+    "TtlValueState": "dstl.state.ttl", "TtlListState": "dstl.state.ttl", "TtlMapState": "dstl.state.ttl",
 }
 __all__ = sorted(_EXPORTS)
 
