@@ -241,7 +241,7 @@ class StatefulStream:
             spark = SparkSession.getActiveSession()
             if spark is None:
                 raise RuntimeError("a pandas batch needs an active SparkSession")
-            return spark, spark.createDataFrame(df) if len(df.columns) else df
+            return spark, spark.createDataFrame(df)
         return df.sparkSession, df
 
     def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
