@@ -18,6 +18,7 @@ jars are downloaded once into $DSTL_BENCH_CACHE (default ~/.cache/dstl-bench; se
 Writes the figures to bench/results/flink.json and a bar chart to bench/results/flink.png.
 
 Usage: .venv/bin/python bench/flink/run.py [--changes N] [--rounds R] [--out-dir DIR] [--no-chart]
+       .venv/bin/python bench/flink/run.py --markdown-from bench/results/flink.json
 """
 from __future__ import annotations
 
@@ -226,6 +227,18 @@ def print_table(result: dict) -> None:
     print("  (shared, loaded 2-core machine: quote medians and same-run ratios only)")
 
 
+def markdown_table(result: dict) -> str:
+    """The results as the Markdown table docs/benchmarks.md quotes."""
+    rows = ["| path | median | MB/s | dstl / Flink, same round: median (min-max) |", "|---|---|---|---|"]
+    for key, system, kind, label in PATHS:
+        p = result["paths"][key]
+        ratio = p.get("ratio_vs_flink")
+        r = f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "baseline"
+        rows.append(f"| {kind}, {system}: `{label}` | {p['median_seconds'] * 1000:.0f} ms | "
+                    f"{p['median_mb_per_s']:.0f} | {r} |")
+    return "\n".join(rows)
+
+
 def write_chart(result: dict, path: str) -> None:
     import matplotlib
 
@@ -261,7 +274,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="counted rounds, after one warm-up round")
     ap.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG (no matplotlib needed)")
+    ap.add_argument("--markdown-from", metavar="JSON", help="print the table of a saved run as Markdown and exit")
     args = ap.parse_args(argv)
+    if args.markdown_from:
+        with open(args.markdown_from) as f:
+            print(markdown_table(json.load(f)))
+        return 0
     jdk = fetch.find_jdk()
     if jdk is None:
         print(NO_JDK_MESSAGE, file=sys.stderr)
