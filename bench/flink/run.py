@@ -250,12 +250,17 @@ def write_chart(result: dict, path: str) -> None:
         rows = [(key, system, label) for key, system, k, label in PATHS if k == kind][::-1]
         values = [result["paths"][key]["median_mb_per_s"] for key, _, _ in rows]
         colors = ["#9e9e9e" if system == "Flink" else "#1f77b4" for _, system, _ in rows]
-        ax.barh([f"{system}: {label}" for _, system, label in rows], values, color=colors)
+        # whiskers: the slowest and the fastest round
+        mb = result["workload"]["payload_mb"]
+        lows = [v - mb / max(result["paths"][key]["seconds"]) for (key, _, _), v in zip(rows, values)]
+        highs = [mb / min(result["paths"][key]["seconds"]) - v for (key, _, _), v in zip(rows, values)]
+        ax.barh([f"{system}: {label}" for _, system, label in rows], values, color=colors,
+                xerr=[lows, highs], error_kw={"elinewidth": 0.8, "ecolor": "#555555", "capsize": 2})
         for i, (key, system, _) in enumerate(rows):
             ratio = result["paths"][key].get("ratio_vs_flink")
             text = f" {values[i]:.0f} MB/s" + (f"  ({ratio['median']:.2f}x Flink)" if ratio else "")
-            ax.text(values[i], i, text, va="center", fontsize=8)
-        ax.set_xlim(0, max(values) * 1.45)
+            ax.text(values[i] + highs[i], i, text, va="center", fontsize=8)
+        ax.set_xlim(0, max(v + h for v, h in zip(values, highs)) * 1.6)
         ax.set_title(f"{kind}", loc="left", fontsize=10)
         ax.tick_params(axis="y", labelsize=8)
     axes[-1].set_xlabel("MB/s of payload (median)")
@@ -263,7 +268,9 @@ def write_chart(result: dict, path: str) -> None:
     fig.suptitle(f"dstl vs Apache Flink {result['flink']['version']} DSTL: {w['changes']:,} x {w['value_bytes']} B "
                  f"changes, {w['key_groups']} key groups, local disk, medians of {result['rounds']} rounds",
                  fontsize=9)
-    fig.tight_layout()
+    fig.text(0.01, 0.005, "bars: median MB/s; whiskers: slowest and fastest round; Nx Flink: median of the "
+             "same-round ratios. Shared, loaded 2-core machine.", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
