@@ -89,7 +89,9 @@ def imports_of(module: str, path: str, modules: Set[str]) -> Iterator[Import]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                # A bare `import dstl` (to find the package's directory) uses nothing of the facade,
+                # whose __init__ has run anyway; `from dstl import name` does and is an edge.
+                if alias.name.startswith(PACKAGE + "."):
                     yield Import(module, _resolve(alias.name, modules), node.lineno)
         elif isinstance(node, ast.ImportFrom):
             if node.level:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import pytest
 
@@ -46,10 +47,27 @@ def test_every_module_belongs_to_a_layer():
     assert not unplaced, f"add these to LAYERS in scripts/import_graph.py: {unplaced}"
 
 
+# Upward imports that exist on main and are being removed by open work, as (importer, imported).
+# Only these exact pairs are tolerated; delete an entry once its import is gone (a warning says so).
+KNOWN_VIOLATIONS = {
+    # issue 9: the service's orphan sweep reads checkpoints through dstl.changelog, not state/ or tools/
+    ("dstl.changelog.upload.service.registry_proc", "dstl.state.metadata"),
+    ("dstl.changelog.upload.service.registry_proc", "dstl.tools.gc"),
+}
+
+
+def _known(imp) -> bool:
+    return (imp.source, imp.target) in KNOWN_VIOLATIONS
+
+
 def test_no_upward_imports():
+    upward = graph.upward_imports(IMPORTS, ROOT)
     bad = [f"{i.source}:{i.line} ({graph.layer_of(i.source)}) imports {i.target} ({graph.layer_of(i.target)})"
-           for i in graph.upward_imports(IMPORTS, ROOT)]
+           for i in upward if not _known(i)]
     assert not bad, "imports must point down the layers:\n" + "\n".join(bad)
+    gone = KNOWN_VIOLATIONS - {(i.source, i.target) for i in upward}
+    if gone:
+        warnings.warn(f"remove from KNOWN_VIOLATIONS in tests/test_layers.py, they are fixed: {sorted(gone)}")
 
 
 def test_fast_knows_nothing_above_the_format_twins():
@@ -60,7 +78,8 @@ def test_fast_knows_nothing_above_the_format_twins():
 
 
 def test_upload_imports_neither_tools_nor_state():
-    bad = _into(_from("dstl.changelog.upload"), "dstl.tools", "dstl.state", "dstl.spark", "dstl.app")
+    imports = [i for i in _from("dstl.changelog.upload") if not _known(i)]
+    bad = _into(imports, "dstl.tools", "dstl.state", "dstl.spark", "dstl.app")
     assert not bad, "\n".join(bad)
 
 
