@@ -201,3 +201,31 @@ def test_slugs_follow_github():
     assert slug("5. Operator (non-keyed) state redistribution (FLIP-8)") == "5-operator-non-keyed-state-redistribution-flip-8"
     assert slug("Change payloads (`dstl.state.changes`)") == "change-payloads-dstlstatechanges"
     assert slug("Side by side with Flink's DSTL") == "side-by-side-with-flinks-dstl"
+
+
+# --- references from the code ------------------------------------------------------------------
+
+def _code_references():
+    """(file, page, section or '') for every 'docs/<page>.md §N' in the code, tests and benchmarks."""
+    refs = []
+    for pattern in ("dstl/**/*.py", "dstl/**/*.pyx", "dstl/**/*.pyi", "tests/**/*.py", "bench/**/*.py", "scripts/*.py"):
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            for m in re.finditer(r"docs/([\w.-]+\.md)(?:,? §(\d+))?", text):
+                refs.append((os.path.relpath(path, ROOT), "docs/" + m.group(1), m.group(2) or ""))
+    return refs
+
+
+def test_code_references_point_to_existing_sections():
+    refs = _code_references()
+    assert len(refs) > 50, "the docstrings cite docs/<page>.md §N; did the pattern change?"
+    bad = []
+    for path, page, section in refs:
+        if page in PENDING and not os.path.exists(os.path.join(ROOT, page)):
+            continue
+        if not os.path.exists(os.path.join(ROOT, page)):
+            bad.append(f"{path}: {page} does not exist")
+        elif section and not re.search(rf"^## {section}\. ", _read(page), re.M):
+            bad.append(f"{path}: {page} has no section §{section}")
+    assert not bad, "\n".join(sorted(set(bad)))
