@@ -111,3 +111,14 @@ def test_the_diagram_in_the_docs_is_current(page):
         text = f.read()
     assert graph.embed(text, graph.mermaid(ROOT)) == text, (
         f"the layer diagram in {page} is stale: run `python scripts/import_graph.py --write {page}`")
+
+
+def test_the_script_draws_dot_and_mermaid():
+    import subprocess
+    import sys
+
+    script = os.path.join(ROOT, "scripts", "import_graph.py")
+    out = subprocess.run([sys.executable, script, "--format", "dot"], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("digraph") and all(f'"{name}" [label=' in out for name, _, _ in graph.LAYERS)
+    mermaid = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
+    assert mermaid == graph.mermaid(ROOT) and "state --> changelog_base" in mermaid
