@@ -13,7 +13,7 @@ if FORCED_PURE:
     IMPLEMENTATION = "python"
 else:
     try:
-        from dstl._fast import _buffer, _decode, _hash  # noqa: F401
+        from dstl._fast import _buffer, _change, _decode, _hash  # noqa: F401
 
         IMPLEMENTATION = "cython"
     except ImportError:  # not built: fall back to the twins

@@ -20,18 +20,18 @@ from dstl.types import SealedChangeSet, StateChange, StateChangeSet, java_uuid_s
 from dstl._decode_py import ChangeSetInfo
 
 if _impl.IMPLEMENTATION == "cython":
-    from dstl._fast._buffer import ChangeBuffer
-    from dstl._fast._decode import decode_change_set, decode_change_set_arrays, walk
+    from dstl._fast._buffer import ChangeBuffer, WriterCore
+    from dstl._fast._decode import decode_change_set, decode_change_set_arrays, iter_change_set, walk
 else:
-    from dstl._buffer_py import ChangeBuffer
-    from dstl._decode_py import decode_change_set, decode_change_set_arrays, walk
+    from dstl._buffer_py import ChangeBuffer, WriterCore
+    from dstl._decode_py import decode_change_set, decode_change_set_arrays, iter_change_set, walk
 
 IMPLEMENTATION = _impl.IMPLEMENTATION
 
 __all__ = [
-    "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo",
+    "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo", "WriterCore",
     "encode_change_set", "encode_file", "write_file", "to_logical", "decode_change_set",
-    "decode_change_set_arrays", "decode_file", "decode_stream", "walk", "codec_flag",
+    "decode_change_set_arrays", "decode_file", "decode_stream", "iter_change_set", "walk", "codec_flag",
 ]
 
 
