@@ -6,7 +6,7 @@ import uuid
 from typing import Iterable, Iterator, Optional, Sequence
 
 META_KEY_GROUP = -1
-MAX_KEY_GROUP = 32767  # RESCALING.md §1: max parallelism <= 32768
+MAX_KEY_GROUP = 32767  # docs/rescaling.md §1: max parallelism <= 32768
 INT64_MAX = 2**63 - 1
 
 
@@ -82,7 +82,7 @@ def as_sqn(value) -> SequenceNumber:
 
 
 class KeyGroupRange:
-    """An inclusive range of key groups `[start, end]`; empty when start > end (RESCALING.md §1)."""
+    """An inclusive range of key groups `[start, end]`; empty when start > end (docs/rescaling.md §1)."""
 
     __slots__ = ("_start", "_end")
 
@@ -163,10 +163,7 @@ KeyGroupRange.EMPTY = KeyGroupRange(0, -1)
 from dstl import _impl  # noqa: E402
 from dstl._fast import _change_py  # noqa: E402
 
-if _impl.IMPLEMENTATION == "cython":
-    from dstl._fast._change import StateChange
-else:
-    from dstl._fast._change_py import StateChange
+StateChange = _impl.kernel("_change").StateChange
 
 
 class StateChangeSet:
@@ -204,7 +201,7 @@ class StateChangeSet:
 
 
 def java_uuid_sort_key(u: uuid.UUID):
-    """Java's `UUID.compareTo`: both 64-bit halves compared as signed (FORMAT.md §5.2)."""
+    """Java's `UUID.compareTo`: both 64-bit halves compared as signed (docs/format.md §5.2)."""
     def signed(x: int) -> int:
         return x - (1 << 64) if x >= (1 << 63) else x
 
@@ -218,10 +215,10 @@ __all__: Sequence[str] = [
 
 
 class SealedChangeSet:
-    """A change set already encoded by the change buffer (FORMAT.md §4): what uploads carry.
+    """A change set already encoded by the change buffer (docs/format.md §4): what uploads carry.
 
     `body` is the encoded change set (bytes-like, G field first); `size` its raw payload bytes
-    (FORMAT.md §2), `num_changes` the number of changes in it.
+    (docs/format.md §2), `num_changes` the number of changes in it.
     """
 
     __slots__ = ("log_id", "sequence_number", "body", "size", "num_changes")
