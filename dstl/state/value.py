@@ -26,8 +26,7 @@ class ValueState(_State):
         if value is None:
             self.clear(key)
             return
-        kg = self._b._kg(key)
-        self._append(kg, C.SET, [key, self._w(value)])
+        kg = self._put.change(C.SET, key, self._w(value))
         self._table(kg)[key] = value
         self._b._mutated()
 
