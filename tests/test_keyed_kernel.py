@@ -35,6 +35,7 @@ class _Backend:
     def __init__(self, kgr):
         self.key_group_range = kgr
         self._deferred_error = None
+        self._table = {}
 
 
 def _appender(mod, kgr=KeyGroupRange(0, 127), maxp=128, fail=None):
@@ -149,3 +150,18 @@ def test_backend_uses_the_selected_kernel(tmp_path):
         v.update("a", 1)
         assert b._since_changes == 1 and b._since_bytes == len(C.encode(C.SET, [v._sid, "a", 1]))
         b.close()
+
+
+@impl_params
+def test_set_logs_the_change_then_fills_the_table(mod):
+    k, log, backend = _appender(mod)
+    backend._table = {}
+    s = k.for_state(4, "v")
+    kg = s.set(C.SET, "ann", b"logged", {"python": "value"})
+    assert log == [(kg, C.encode(C.SET, [4, "ann", b"logged"]))]
+    assert backend._table == {kg: {"v": {"ann": {"python": "value"}}}}
+    s.set(C.SET, "ann", 2, 2)
+    assert backend._table[kg]["v"]["ann"] == 2
+    with pytest.raises(TypeError, match="cannot serialize"):
+        s.set(C.SET, "bob", object(), 1)
+    assert len(log) == 2 and "bob" not in backend._table.get(_hash_py.assign_to_key_group("bob", 128), {}).get("v", {})

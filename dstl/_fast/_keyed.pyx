@@ -104,6 +104,7 @@ cdef class KeyedAppender:
         s.state_id = state_id
         s.sid = state_id
         s.name = name
+        s.tables = self.backend._table
         return s
 
     cdef inline int _reserve(self, Py_ssize_t need) except -1:
@@ -251,12 +252,28 @@ cdef class StateAppender:
     cdef readonly object state_id
     cdef readonly object name
     cdef object sid
+    cdef dict tables
 
     @property
     def appender(self):
         return self.k
 
+    def set(self, int op, key, logged, value):
+        """`change(op, key, logged)`, then `value` becomes the key's entry in this state's table."""
+        cdef long g = self._change(op, key, (logged,))
+        t = self.tables.get(g)
+        if t is None:
+            t = self.tables[g] = {}
+        s = (<dict>t).get(self.name)
+        if s is None:
+            s = (<dict>t)[self.name] = {}
+        (<dict>s)[key] = value
+        return g
+
     def change(self, int op, key, *fields):
+        return self._change(op, key, fields)
+
+    cdef long _change(self, int op, key, tuple fields) except -1:
         cdef KeyedAppender k = self.k
         cdef long g = k.kg(key)
         cdef Py_ssize_t pos, i, nf = len(fields)

@@ -88,12 +88,13 @@ class StateAppender:
     """The single-key changes of one state: `change(op, key, *fields)` logs `[state_id, key, *fields]`
     under operation `op` and returns the key's key group."""
 
-    __slots__ = ("appender", "state_id", "name")
+    __slots__ = ("appender", "state_id", "name", "tables")
 
     def __init__(self, appender: KeyedAppender, state_id: int, name: str):
         self.appender = appender
         self.state_id = state_id
         self.name = name
+        self.tables = appender.backend._table  # key group -> state name -> {key: value}
 
     def change(self, op: int, key: Any, *fields: Any) -> int:
         k = self.appender
@@ -103,4 +104,16 @@ class StateAppender:
         except (TypeError, ValueError, OverflowError) as exc:
             raise serialize_error(exc, self.name, key) from exc
         k.append(kg, payload)
+        return kg
+
+    def set(self, op: int, key: Any, logged: Any, value: Any) -> int:
+        """`change(op, key, logged)`, then `value` becomes the key's entry in this state's table."""
+        kg = self.change(op, key, logged)
+        t = self.tables.get(kg)
+        if t is None:
+            t = self.tables[kg] = {}
+        s = t.get(self.name)
+        if s is None:
+            s = t[self.name] = {}
+        s[key] = value
         return kg
