@@ -20,7 +20,7 @@ _USER_KEY_TYPES = (int, str, bytes, float, bool, type(None))
 
 def _norm_key(key: Any) -> Any:
     """A numpy integer, str or bytes scalar as the plain Python key it stands for (anything else as
-    it is; `KeyedStateBackend._kg` rejects what is not a key). Stored keys are always plain Python."""
+    it is, for the key check to reject). Stored keys are always plain Python."""
     if isinstance(key, np.generic) and not isinstance(key, np.bool_):
         v = key.item()
         if isinstance(v, _KEY_TYPES) and not isinstance(v, bool):
@@ -40,6 +40,8 @@ class _State:
         self.meta = meta
         self.name = meta.name
         self._sid = meta.state_id
+        # single-key changes: key group + payload + append in one kernel call (dstl/_fast/_keyed)
+        self._put = backend._k.for_state(self._sid, self.name)
         self.serializer = serializer
         self._native = bool(getattr(serializer, "native", False))
         # replay may store SET/SET_INTERNAL bodies directly (see KeyedStateBackend._replay_handle)
@@ -103,15 +105,16 @@ class _State:
         return sum(len(t.get(self.name, ())) for t in self._b._table.values())
 
     def contains_key(self, key: Any) -> bool:
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
+            key = _norm_key(key)
         s = self._lookup(self._b._kg(key))
         return s is not None and key in s
 
     def clear(self, key: Any) -> None:
         """Remove the key's state (one CLEAR change, even if there was none, as Flink logs it)."""
-        if type(key) not in _KEY_TYPES:
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
-        kg = self._b._kg(key)
-        self._append(kg, C.CLEAR, [key])
+        kg = self._put.change(C.CLEAR, key)
         self._forget(kg, key)
         self._b._mutated()
 

@@ -30,6 +30,8 @@ class ListState(_State):
 
     def get(self, key: Any) -> list:
         """A copy of the key's list ([] if none)."""
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
+            key = _norm_key(key)
         s = self._lookup(self._b._kg(key))
         if s is None:
             return []
@@ -40,10 +42,9 @@ class ListState(_State):
         return [[] if s is None else list(s.get(k, ())) for s, k in self._lookup_many(keys)]
 
     def add(self, key: Any, value: Any) -> None:
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
-        kg = self._b._kg(key)
-        self._append(kg, C.ADD_ELEMENT, [key, self._w(value)])
+        kg = self._put.change(C.ADD_ELEMENT, key, self._w(value))
         s = self._table(kg)
         lst = s.get(key)
         if lst is None:
@@ -57,7 +58,7 @@ class ListState(_State):
         values = list(values)
         if not values:
             return
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD, [key, [self._w(v) for v in values]])
@@ -71,7 +72,7 @@ class ListState(_State):
         if not values:
             self.clear(key)
             return
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.SET, [key, [self._w(v) for v in values]])

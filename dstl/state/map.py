@@ -25,6 +25,8 @@ class MapState(_State):
         return dict(v)
 
     def _map(self, key: Any) -> Optional[dict]:
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
+            key = _norm_key(key)
         s = self._lookup(self._b._kg(key))
         return None if s is None else s.get(key)
 
@@ -73,10 +75,9 @@ class MapState(_State):
 
     def put(self, key: Any, user_key: Any, value: Any) -> None:
         _check_user_key(user_key)
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
-        kg = self._b._kg(key)
-        self._append(kg, C.ADD_OR_UPDATE_ELEMENT, [key, user_key, self._w(value)])
+        kg = self._put.change(C.ADD_OR_UPDATE_ELEMENT, key, user_key, self._w(value))
         self._table(kg).setdefault(key, {})[user_key] = value
         self._b._mutated()
 
@@ -86,7 +87,7 @@ class MapState(_State):
             return
         for uk in mapping:
             _check_user_key(uk)
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.ADD, [key, {uk: self._w(v) for uk, v in mapping.items()}])
@@ -96,7 +97,7 @@ class MapState(_State):
     def remove(self, key: Any, user_key: Any) -> None:
         """Remove one entry (one REMOVE_ELEMENT change); an empty map means no state for the key."""
         _check_user_key(user_key)
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
         kg = self._b._kg(key)
         self._append(kg, C.REMOVE_ELEMENT, [key, user_key])

@@ -17,6 +17,8 @@ class ValueState(_State):
     kind = "value"
 
     def get(self, key: Any, default: Any = None) -> Any:
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
+            key = _norm_key(key)
         s = self._lookup(self._b._kg(key))
         if s is None:
             return default
@@ -26,11 +28,9 @@ class ValueState(_State):
         if value is None:
             self.clear(key)
             return
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
-        kg = self._b._kg(key)
-        self._append(kg, C.SET, [key, self._w(value)])
-        self._table(kg)[key] = value
+        self._put.set(C.SET, key, self._w(value), value)  # logs the change, then sets the table entry
         self._b._mutated()
 
     def items(self) -> Iterator[Tuple[Any, Any]]:
@@ -105,7 +105,7 @@ class ReducingState(ValueState):
 
     def add(self, key: Any, value: Any) -> None:
         fn = self._fn()
-        if type(key) not in _KEY_TYPES:  # numpy scalars: stored as plain Python keys
+        if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
         kg = self._b._kg(key)
         s = self._table(kg)
