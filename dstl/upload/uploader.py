@@ -9,10 +9,9 @@ import time
 import uuid
 from typing import Optional, Sequence
 
-import fsspec
-
+from dstl.changelog import fs as dfs
 from dstl.format import write_file
-from dstl.handles import StreamStateHandle, is_local_filesystem
+from dstl.handles import StreamStateHandle
 
 from dstl.upload.task import UploadTask, UploadTasksResult
 
@@ -117,11 +116,9 @@ class StateChangeFsUploader(StateChangeUploader):
         self.buffer_size = int(buffer_size)
         self.registry = registry
         self.metrics = metrics
-        self._fs, root = fsspec.core.url_to_fs(base_path)
         # plain paths only for the real local disk; wrappers (e.g. a test filesystem) keep their URL
-        self._local_fs = is_local_filesystem(self._fs)
-        root = root.rstrip("/") if root not in ("/", "") else root
-        self._dir = f"{root.rstrip('/')}/{job_id}/dstl"
+        self._fs, self._dir = dfs.changelog_dir(base_path, job_id)
+        self._local_fs = dfs.is_local(self._fs)
         self._local_dir = (os.path.join(local_recovery_dir, f"jid_{job_id}", "taskowned")
                            if local_recovery_dir else None)
         self._dirs_ready = False
@@ -133,7 +130,7 @@ class StateChangeFsUploader(StateChangeUploader):
         return self._dir
 
     def _url(self, path: str) -> str:
-        return path if self._local_fs else self._fs.unstrip_protocol(path)
+        return dfs.url_of(self._fs, path)
 
     def _ensure_dirs(self) -> None:
         if self._dirs_ready:

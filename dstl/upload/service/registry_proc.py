@@ -56,29 +56,17 @@ class _ListingError(Exception):
 
 
 def referenced_files(checkpoints_base: str) -> Optional[Set[str]]:
-    """Comparable keys of every file the complete checkpoints under `checkpoints_base` reference;
-    None if some checkpoint's metadata cannot be decoded (then nothing may be deleted)."""
-    from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
-    from dstl.tools.gc import _key_of_url
+    """Keys of every file the complete checkpoints under `checkpoints_base` reference; None if some
+    checkpoint's metadata cannot be decoded (then nothing may be deleted)."""
+    from dstl.changelog.checkpoints import UnreadableCheckpointError, files_referenced
 
     try:
-        ids = list_checkpoints(checkpoints_base)
-    except FileNotFoundError:
-        return set()
+        return files_referenced(checkpoints_base)
+    except UnreadableCheckpointError:
+        log.warning("a checkpoint under %s cannot be read", checkpoints_base, exc_info=True)
+        return None
     except OSError as exc:
         raise _ListingError(str(exc)) from exc
-    metas = []
-    for cp in ids:
-        try:
-            metas.append(read_checkpoint(checkpoints_base, cp))
-        except FileNotFoundError:
-            continue  # removed (retention) while we looked
-        except OSError as exc:
-            raise _ListingError(str(exc)) from exc
-        except Exception:
-            log.warning("checkpoint %d under %s cannot be read", cp, checkpoints_base, exc_info=True)
-            return None
-    return {_key_of_url(f) for f in retained_files(metas)}
 
 
 class _Registry:
@@ -108,7 +96,7 @@ class _Registry:
 
     def sweep(self) -> None:
         """Settle the orphans older than the grace period (see the module docstring)."""
-        from dstl.tools.gc import _key_of_url
+        from dstl.changelog.fs import key_of_url
 
         with self.lock:
             expired = self.state.expired_orphans(int(time.time() * 1000), self.grace_ms)
@@ -128,7 +116,7 @@ class _Registry:
                 log.warning("keeping orphaned changelog file %s: checkpoint metadata cannot be read "
                             "(`dstl gc` can delete it later)", path)
             else:
-                keep = _key_of_url(path) in referenced
+                keep = key_of_url(path) in referenced
             with self.lock:
                 doomed = self.state.resolve_orphan(path, keep)
                 self.journal.append(["orphan", 0, path, keep])

@@ -71,14 +71,10 @@ _uploaders: Dict[tuple, object] = {}
 
 def intended_url(job: dict) -> str:
     """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
-    import fsspec
+    from dstl.changelog import fs as dfs
 
-    from dstl.handles import is_local_filesystem
-
-    fs, root = fsspec.core.url_to_fs(job["base_path"])
-    root = root.rstrip("/") if root not in ("/", "") else root
-    path = f"{root.rstrip('/')}/{job['job_id']}/dstl/{job['file_name']}"
-    return path if is_local_filesystem(fs) else fs.unstrip_protocol(path)
+    fs, directory = dfs.changelog_dir(job["base_path"], job["job_id"])
+    return dfs.url_of(fs, f"{directory}/{job['file_name']}")
 
 
 def run_attempt(job: dict) -> dict:

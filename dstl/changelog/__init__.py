@@ -1,0 +1,1 @@
+"""The changelog: handles, registry, writer, storage, reader, upload and the file-system layout."""
