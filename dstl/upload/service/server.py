@@ -72,6 +72,7 @@ class _BatchAction:
         self.tasks = tasks
         self.lock = threading.Lock()
         self.attempts = 0
+        self._worker = threading.local()  # the uploader prepare_attempt took, per attempt thread
         self.metrics = {"requests": 0, "failures": 0, "sizes": [], "latencies": [],
                         "batch_id": next(_batch_ids), "batch": len(tasks)}
         job_id, local_dir = tasks[0].group
@@ -91,13 +92,19 @@ class _BatchAction:
             self.metrics["sizes"] += m["sizes"]
             self.metrics["latencies"] += m["latencies"]
 
+    def prepare_attempt(self) -> None:
+        """Take a healthy uploader before the attempt's timeout starts (a dead one costs no attempt)."""
+        self._worker.value = self.service.pool.acquire()
+
     def try_execute(self):
         with self.lock:
             self.attempts += 1
             n = self.attempts
         job = dict(self.job, file_name=str(uuid.uuid4()))
+        worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
-            res = self.service.pool.run(job)
+            timeout_ms = self.service.policy.timeout_ms
+            res = self.service.pool.run(job, timeout_ms / 1000.0 if timeout_ms > 0 else None, worker)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
             partial = getattr(exc, "partial_file", None)
@@ -298,6 +305,9 @@ class UploadService:
 
     def _hello(self, conn, msg) -> Optional[_Client]:
         _, cid, pid = msg[:3]
+        # welcomed once the uploaders and the registry run: a first attempt must not spend its
+        # timeout waiting for the pool to start
+        self._ready.wait(60)
         prefix = shm.segment_prefix(self.instance, pid, cid)
         client = _Client(cid, pid, conn, prefix)
         with self.lock:

@@ -182,11 +182,16 @@ def worker_main(conn) -> None:
             return
 
 
+def user_modules() -> List[str]:
+    """The modules named in DSTL_SERVICE_IMPORTS (e.g. ones registering fsspec protocols)."""
+    return [n for n in (s.strip() for s in os.environ.get("DSTL_SERVICE_IMPORTS", "").split(",")) if n]
+
+
 def _preload_user_modules() -> None:
-    """Import the modules named in DSTL_SERVICE_IMPORTS (e.g. ones registering fsspec protocols)."""
+    """Import the modules named in DSTL_SERVICE_IMPORTS."""
     import importlib
 
-    for name in filter(None, (s.strip() for s in os.environ.get("DSTL_SERVICE_IMPORTS", "").split(","))):
+    for name in user_modules():
         importlib.import_module(name)
 
 
