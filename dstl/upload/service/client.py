@@ -557,12 +557,15 @@ class ServiceRegistryProxy:
             log.warning("registry %s of %s not delivered: %s", kind, handle.handle_id, exc)
 
     def start_tracking(self, handle, ref_count: int) -> None:
+        """Track `handle`; returns once the service's journal holds it durably (else raises)."""
         if isinstance(ref_count, bool) or not isinstance(ref_count, int) or ref_count <= 0:
             raise ValueError(f"ref_count must be a positive int, got {ref_count!r}")
-        self._op("start", handle, ref_count)
+        self.connection.call("reg", ("start", handle.handle_id, ref_count))
 
     def stop_tracking(self, handle) -> None:
-        self._op("stop", handle)
+        """Untrack `handle` (a checkpoint owns it): returns once that is durable in the service's
+        journal, raises (OSError) if the journal cannot record it."""
+        self.connection.call("reg", ("stop", handle.handle_id, 0))
 
     def release(self, handle) -> None:
         self._op("release", handle)

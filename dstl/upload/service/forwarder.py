@@ -7,15 +7,17 @@ again. A release is therefore applied exactly once even if the registry died rig
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Dict, Optional
 
 from dstl.errors import UploadServiceError
+from dstl.upload.service.journal import JournalError
 
 log = logging.getLogger("dstl.upload.service.forwarder")
 
@@ -33,6 +35,7 @@ class RegistryForwarder:
         self._unacked: "OrderedDict[int, list]" = OrderedDict()
         self._queries: Dict[int, tuple] = {}
         self._replies: Dict[int, Future] = {}
+        self._acks: Dict[int, Future] = {}
         self._conn = None
         self._proc = None
         self._stopping = False
@@ -77,18 +80,30 @@ class RegistryForwarder:
             except OSError:
                 pass  # died again: the read loop notices
 
-    def submit(self, kind: str, *args) -> int:
-        """Queue an operation (journaled by the registry); returns its id."""
+    def submit(self, kind: str, *args) -> Future:
+        """Queue an operation; the future completes once the registry journaled and applied it, or
+        fails with JournalError when the journal could not record it (then it was not applied)."""
+        fut: Future = Future()
         with self._lock:
             op_id = next(self._ids)
             op = [kind, op_id, *args]
             self._unacked[op_id] = op
+            self._acks[op_id] = fut
             if self._conn is not None:
                 try:
                     self._conn.send(op)
                 except OSError:
                     pass  # re-sent after the restart
-        return op_id
+        return fut
+
+    def apply(self, kind: str, *args, timeout: float = 60.0) -> None:
+        """`submit` and wait: raises JournalError (not recorded) or TimeoutError (no answer)."""
+        fut = self.submit(kind, *args)
+        try:
+            fut.result(timeout)
+        except FutureTimeout:
+            raise UploadServiceError(f"the registry did not record a {kind!r} operation within "
+                                     f"{timeout:.0f} s") from None
 
     def query(self, kind: str, *args, timeout: float = 30.0):
         """`count` or `sync`: wait for the registry's reply."""
@@ -126,7 +141,15 @@ class RegistryForwarder:
                 continue
             if msg[0] == "ack":
                 with self._lock:
-                    self._unacked.pop(msg[1], None)
+                    op = self._unacked.pop(msg[1], None)
+                    fut = self._acks.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    if msg[2] is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(JournalError(errno.EIO, msg[2]))
+                elif msg[2] is not None and op is not None:
+                    log.error("registry operation %s failed: %s", op[0], msg[2])
             elif msg[0] == "reply":
                 with self._lock:
                     fut = self._replies.get(msg[1])

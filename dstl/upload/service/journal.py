@@ -5,12 +5,16 @@ a share of: path -> [since wall-clock ms, outstanding]) and files waiting for de
 Every operation carries an id given by the service; the journal records it, so after a restart the
 service re-sends only what the registry had not applied (exactly-once, no double release).
 
-Records are JSON lines written with one `write()` each and flushed: a killed process loses nothing the
-kernel has (fsync happens at compaction; a power loss may drop the last records, which only leaves
-files for `dstl gc`). A torn last line is ignored.
+Durability rule: an operation is applied and acknowledged only after its record is wholly in the
+journal (short writes are continued), and fsynced for the records that protect a file from deletion
+(start of tracking, confirm). A write that fails (ENOSPC, EIO, a read-only file system) is cut off
+again (the file is truncated back to its last whole record) and the operation fails to its client
+unapplied; while that cut cannot be made, every later operation fails too, so a torn record is only
+ever the journal's last one and only ever an operation that was never acknowledged.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,6 +25,21 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot.json"
 LOG = "journal.log"
+SYNCED = frozenset({"start", "stop"})  # records that keep a file from being deleted: fsynced
+
+
+class JournalError(OSError):
+    """The registry journal could not record an operation; the operation was not applied."""
+
+
+def write(fd: int, data) -> int:
+    """One write(2) of `data` to `fd` (the seam the fault tests replace: short writes, ENOSPC)."""
+    return os.write(fd, data)
+
+
+def fsync(fd: int) -> None:
+    """fsync(2) of `fd` (a seam like `write`)."""
+    os.fsync(fd)
 
 
 class RegistryState:
@@ -136,6 +155,8 @@ class Journal:
         self._snap_path = os.path.join(directory, SNAPSHOT)
         self._fd: Optional[int] = None
         self._records = 0
+        self._size = 0  # bytes of whole records in the log
+        self._torn: Optional[int] = None  # set while a failed record could not be cut off
 
     def load(self) -> RegistryState:
         state = RegistryState()
@@ -165,6 +186,7 @@ class Journal:
             with open(self._log_path, "r+b") as f:
                 f.truncate(good_bytes)
         self._fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._size = good_bytes
         return state
 
     @staticmethod
@@ -176,26 +198,79 @@ class Journal:
         else:
             state.apply(op)
 
-    def append(self, op: list) -> None:
+    def append(self, op: list, sync: Optional[bool] = None) -> None:
+        """Record `op` wholly (and fsynced if `sync`, default: for SYNCED kinds) or raise JournalError
+        with the journal cut back to its last whole record."""
         assert self._fd is not None, "load() first"
-        os.write(self._fd, json.dumps(op, separators=(",", ":")).encode() + b"\n")
+        if sync is None:
+            sync = op[0] in SYNCED
+        data = memoryview(json.dumps(op, separators=(",", ":")).encode() + b"\n")
+        if self._torn is not None:
+            self._cut(self._torn)  # raises while the tail cannot be cut off
+        start = self._size
+        try:
+            done = 0
+            while done < len(data):  # a short write is not an error: write the rest
+                n = write(self._fd, data[done:])
+                if n <= 0:
+                    raise OSError(errno.EIO, "write(2) wrote nothing")
+                done += n
+            if sync:
+                fsync(self._fd)
+        except OSError as exc:
+            self._cut(start, exc)
+            raise JournalError(exc.errno or errno.EIO,
+                               f"the registry journal {self._log_path} could not record a {op[0]!r} "
+                               f"operation ({exc.strerror or exc}); it was not applied") from exc
+        self._size = start + len(data)
         self._records += 1
+
+    def _cut(self, size: int, cause: Optional[OSError] = None) -> None:
+        """Truncate the log back to `size` bytes (drop a partial record); remember if that fails."""
+        try:
+            os.ftruncate(self._fd, size)
+            self._torn = None
+        except OSError as exc:
+            self._torn = size
+            log.error("registry journal %s: cannot cut off a failed record (%s); every operation fails "
+                      "until it can", self._log_path, exc)
+            if cause is None:
+                raise JournalError(exc.errno or errno.EIO,
+                                   f"the registry journal {self._log_path} cannot be repaired ({exc}); "
+                                   "the operation was not applied") from exc
 
     def needs_compaction(self) -> bool:
         return self._records >= self.compact_every
 
     def compact(self, state: RegistryState) -> None:
-        """Write the snapshot atomically (fsync + rename), then start an empty log."""
+        """Write the snapshot atomically (whole, fsync, rename), then start an empty log. On failure
+        (e.g. ENOSPC) the old snapshot and log stay as they were: raises JournalError."""
         tmp = self._snap_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state.to_json(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._snap_path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                data = memoryview(json.dumps(state.to_json()).encode())
+                done = 0
+                while done < len(data):
+                    done += write(fd, data[done:])
+                fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._snap_path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._records = max(0, self._records - self.compact_every // 4)  # try again a little later
+            raise JournalError(exc.errno or errno.EIO, f"the registry snapshot could not be written ({exc})") \
+                from exc
         if self._fd is not None:
             os.close(self._fd)
         self._fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         self._records = 0
+        self._size = 0
+        self._torn = None
         dfd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -208,4 +283,4 @@ class Journal:
             self._fd = None
 
 
-__all__ = ["RegistryState", "Journal"]
+__all__ = ["RegistryState", "Journal", "JournalError", "SYNCED"]

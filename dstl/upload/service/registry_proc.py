@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Set
 
-from dstl.upload.service.journal import Journal
+from dstl.upload.service.journal import Journal, JournalError
 from dstl.upload.service.runtime import file_lock
 
 log = logging.getLogger("dstl.upload.service.registry")
@@ -118,8 +118,12 @@ class _Registry:
             else:
                 keep = key_of_url(path) in referenced
             with self.lock:
+                try:
+                    self.journal.append(["orphan", 0, path, keep], sync=True)
+                except JournalError as exc:
+                    log.error("%s; orphan %s is decided at a later sweep", exc, path)
+                    continue
                 doomed = self.state.resolve_orphan(path, keep)
-                self.journal.append(["orphan", 0, path, keep])
             for d in doomed:
                 self.schedule_delete(d)
 
@@ -137,9 +141,11 @@ class _Registry:
             log.warning("could not delete changelog file %s (kept for retry at restart)", path, exc_info=True)
             return
         with self.lock:
-            op = ["deleted", 0, path]
             self.state.pending_delete.discard(path)
-            self.journal.append(op)
+            try:
+                self.journal.append(["deleted", 0, path])
+            except JournalError as exc:  # deleted again after a restart: harmless
+                log.warning("%s", exc)
 
     def handle(self, msg) -> bool:
         kind = msg[0]
@@ -154,14 +160,28 @@ class _Registry:
             wait(list(self.futures))
             self.conn.send(("reply", msg[1], None))
             return True
+        op = list(msg)
+        error = None
         with self.lock:
-            doomed = self.state.apply(list(msg))
-            self.journal.append(list(msg))
-            if self.journal.needs_compaction():
-                self.journal.compact(self.state)
+            if op[1] <= self.state.last_id:
+                doomed = []  # applied before a restart: re-sent, acknowledged again
+            else:
+                try:
+                    self.journal.append(op)  # whole (and fsynced where it protects a file) first
+                except JournalError as exc:
+                    error = str(exc)
+                    log.error("%s", exc)
+                    doomed = []
+                else:
+                    doomed = self.state.apply(op)
+            if error is None and self.journal.needs_compaction():
+                try:
+                    self.journal.compact(self.state)
+                except JournalError as exc:
+                    log.error("%s; the journal keeps growing until it can be written", exc)
         for path in doomed:
             self.schedule_delete(path)
-        self.conn.send(("ack", msg[1]))
+        self.conn.send(("ack", msg[1], error))
         return True
 
     def finish(self) -> None:
@@ -170,7 +190,10 @@ class _Registry:
             self._sweeper.join(60)
         self.pool.shutdown(wait=True)
         with self.lock:
-            self.journal.compact(self.state)
+            try:
+                self.journal.compact(self.state)
+            except JournalError as exc:  # the log still holds every acknowledged operation
+                log.error("%s", exc)
             self.journal.close()
 
 

@@ -112,7 +112,24 @@ class _BatchAction:
                 self.service.registry.submit("discard", partial)
             raise
         self._record(res["metrics"])
+        self._track(res)
         return n, res
+
+    def _track(self, res: dict) -> None:
+        """Start tracking the attempt's files in the registry, durably, before any client hears of
+        them; a journal that cannot record it fails the attempt (its files are deleted)."""
+        shares = _Counter()
+        for t in self.tasks:
+            shares[t.client.cid] += len(t.items)
+        try:
+            for path, n in res["started"]:
+                self.service.registry.apply("start", path, n, dict(shares))
+        except OSError:
+            for p in (res["path"], res["local_path"]):
+                if p:
+                    _delete_quietly(p)
+                    self.service.registry.submit("discard", p)
+            raise
 
     def complete_with_result(self, result) -> None:
         n, res = result
@@ -129,6 +146,15 @@ class _BatchAction:
 
     def handle_failure(self, exc: BaseException) -> None:
         self.service.batch_failed(self, exc)
+
+
+def _delete_quietly(path: str) -> None:
+    from dstl.handles import StreamStateHandle
+
+    try:
+        StreamStateHandle(path, 0).discard_state()
+    except Exception:
+        log.warning("could not delete %s", path, exc_info=True)
 
 
 class UploadService:
@@ -417,11 +443,6 @@ class UploadService:
             c.send(("avail", available, gauges))
 
     def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
-        shares = _Counter()
-        for t in action.tasks:
-            shares[t.client.cid] += len(t.items)
-        for path, n in res["started"]:
-            self.registry.submit("start", path, n, dict(shares))
         dead = set()
         for t, results in zip(action.tasks, res["tasks"]):
             self._release(t.size)
@@ -532,6 +553,15 @@ class UploadService:
                     value = None
                 elif name == "sync":
                     value = self.registry.query("sync", timeout=120)
+                elif name == "reg":  # start / stop tracking: answered once durable in the journal
+                    kind, path, n = args
+                    if kind == "start":
+                        self.registry.apply("start", path, int(n), {client.cid: int(n)})
+                    elif kind == "stop":
+                        self.registry.apply("stop", path)
+                    else:
+                        raise ValueError(f"unknown registry call {kind!r}")
+                    value = None
                 else:
                     raise ValueError(f"unknown call {name!r}")
                 client.send(("reply", call_id, True, value))
