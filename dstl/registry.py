@@ -17,33 +17,59 @@ log = logging.getLogger(__name__)
 
 
 def _discard(handle: StreamStateHandle) -> None:
-    try:
-        handle.discard_state()
-    except Exception:  # deletion is best effort: the file is merely left behind
-        log.warning("could not delete changelog file %s", handle.path, exc_info=True)
+    handle.discard_state()  # a file that is already gone is fine; other errors are retried
+
+
+# Delays before the retries of a failed deletion (then the file is left for `dstl gc`).
+DELETE_RETRY_DELAYS_S = (0.1, 0.4, 1.6, 6.4)
 
 
 class _Discarder:
-    """Deletes files on a small thread pool; after close, deletes on the calling thread."""
+    """Deletes files on a small thread pool, retrying failures with backoff; after close, deletes on
+    the calling thread. `failures` counts failed deletion attempts (metric `numberOfDeleteFailures`)."""
 
-    def __init__(self, num_threads: int, name: str, discard: Callable[[StreamStateHandle], None]):
+    def __init__(self, num_threads: int, name: str, discard: Callable[[StreamStateHandle], None],
+                 retry_delays_s=DELETE_RETRY_DELAYS_S):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"discard_num_threads must be an int >= 1, got {num_threads!r}")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=name)
         self._discard = discard
+        self._delays = tuple(retry_delays_s)
         self._pending: Set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.failures = 0
 
     def submit(self, handle: StreamStateHandle) -> None:
+        done: Future = Future()  # completes when the file is gone or the retries are used up
         with self._lock:
-            fut = None if self._closed else self._pool.submit(self._discard, handle)
-            if fut is not None:
-                self._pending.add(fut)
+            self._pending.add(done)
+        done.add_done_callback(self._done)
+        self._attempt(handle, done, 0)
+
+    def _attempt(self, handle: StreamStateHandle, done: Future, n: int) -> None:
+        with self._lock:
+            fut = None if self._closed else self._pool.submit(self._try, handle, done, n)
         if fut is None:
-            self._discard(handle)  # a late release after close still cleans up
-        else:
-            fut.add_done_callback(self._done)  # may run inline: outside the lock
+            self._try(handle, done, n)  # a late release after close still cleans up
+
+    def _try(self, handle: StreamStateHandle, done: Future, n: int) -> None:
+        try:
+            self._discard(handle)
+        except Exception as exc:
+            with self._lock:
+                self.failures += 1
+                closed = self._closed
+            if n < len(self._delays) and not closed:
+                log.warning("could not delete changelog file %s (%s); retrying in %.1f s", handle.path, exc,
+                            self._delays[n])
+                t = threading.Timer(self._delays[n], self._attempt, (handle, done, n + 1))
+                t.daemon = True
+                t.start()
+                return
+            log.warning("could not delete changelog file %s after %d attempts; left for `dstl gc`",
+                        handle.path, n + 1, exc_info=True)
+        done.set_result(None)
 
     def _done(self, fut: Future) -> None:
         with self._lock:
@@ -62,8 +88,10 @@ class _Discarder:
         with self._lock:
             if self._closed:
                 return
+        self.wait(sum(self._delays) + 5.0)  # deletions scheduled (and their retries) finish first
+        with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True)  # deletions already scheduled finish first
+        self._pool.shutdown(wait=True)
 
 
 class TaskChangelogRegistry:
@@ -117,6 +145,11 @@ class TaskChangelogRegistry:
     def wait_for_deletions(self, timeout: Optional[float] = None) -> bool:
         """Block until the deletions scheduled so far are done (tests, shutdown)."""
         return self._discarder.wait(timeout)
+
+    @property
+    def delete_failures(self) -> int:
+        """Failed deletion attempts so far (each retried with backoff; metric numberOfDeleteFailures)."""
+        return self._discarder.failures
 
     def close(self) -> None:
         """Finish the scheduled deletions and stop the pool; later deletions run inline."""

@@ -61,6 +61,15 @@ class GateFileSystem(LocalFileSystem):
                         pass
         return super()._open(path, mode, **kw)
 
+    def rm_file(self, path):
+        """Fails with EIO while ``<root>/.nodelete`` exists (a store refusing deletes)."""
+        p = self._strip_protocol(path)
+        if "/dstl/" in p and os.path.exists(os.path.join(p.split("/dstl/")[0].rsplit("/", 1)[0], ".nodelete")):
+            import errno
+
+            raise OSError(errno.EIO, f"injected delete failure: {p}")
+        return super().rm_file(path)
+
 
 fsspec.register_implementation("gate", GateFileSystem, clobber=True)
 

@@ -142,6 +142,24 @@ class StateChangeFsUploader(StateChangeUploader):
                     os.makedirs(self._local_dir, exist_ok=True)
                 self._dirs_ready = True
 
+    def _create(self, path: str, size: Optional[int]):
+        """Open the new file exclusively; a job directory deleted meanwhile is made again."""
+        self._ensure_dirs()
+        try:
+            return _open_local_exclusive(path, size) if self._local_fs else _open_exclusive(self._fs, path)
+        except FileNotFoundError:
+            with self._dirs_lock:
+                self._dirs_ready = False
+            self._ensure_dirs()
+            return _open_local_exclusive(path, size) if self._local_fs else _open_exclusive(self._fs, path)
+
+    def _create_local(self, local_path: str, size: Optional[int]):
+        try:
+            return _open_local_exclusive(local_path, size)
+        except FileNotFoundError:  # the local-recovery directory went away
+            os.makedirs(self._local_dir, exist_ok=True)
+            return _open_local_exclusive(local_path, size)
+
     def upload(self, tasks: Sequence[UploadTask], *, file_name: Optional[str] = None) -> UploadTasksResult:
         """One attempt. `file_name` (default: a fresh uuid4) is the name of the file in the job's
         directory; the upload service passes one it announced beforehand."""
@@ -158,16 +176,14 @@ class StateChangeFsUploader(StateChangeUploader):
         created = []
         size = _file_size(bodies, self.compression)
         try:
-            self._ensure_dirs()
-            opened = (_open_local_exclusive(path, size) if self._local_fs
-                      else _open_exclusive(self._fs, path))
+            opened = self._create(path, size)
             with opened as out:
                 created.append("remote")
                 if local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)
                 else:
-                    with _open_local_exclusive(local_path, size) as local_out:
+                    with self._create_local(local_path, size) as local_out:
                         created.append("local")
                         offsets, logical_size = write_file(
                             _Tee(out, local_out), bodies, compression=self.compression,

@@ -409,6 +409,18 @@ class ServiceConnection:
         if last:
             self.shutdown()
 
+    def abandon(self) -> None:
+        """Drop the connection without saying close (see `_abandon_all_at_exit`)."""
+        with self._lock:
+            free, self._free = self._free, []
+            self.closing = True
+        self._closed_event.set()
+        hard_close(self.conn)
+        self._callbacks.put((None, None))
+        for name, _ in free:  # segments of tasks in flight are the service's to unlink now
+            shm.unlink(name)
+        _open_connections.discard(self)
+
     def shutdown(self) -> None:
         if not self.closing:
             self.close_uploads(30.0)
@@ -424,10 +436,13 @@ _open_connections: "weakref.WeakSet[ServiceConnection]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all_at_exit() -> None:
+def _abandon_all_at_exit() -> None:
+    """The interpreter exits (sys.exit, an uncaught exception, the end of the script) with storages
+    still open: like a killed client, this one becomes an orphan owner in the service (its unconfirmed
+    files are settled after the grace period), rather than a closed one whose files stay tracked."""
     for c in list(_open_connections):
         try:
-            c.shutdown()
+            c.abandon()
         except Exception:
             pass
 
@@ -572,6 +587,11 @@ class ServiceRegistryProxy:
 
     def ref_count(self, handle) -> Optional[int]:
         return self.connection.call("count", handle.handle_id)
+
+    @property
+    def delete_failures(self) -> int:
+        """Failed deletion attempts in the service's registry (each retried with backoff)."""
+        return int(self.connection.call("delete_failures", timeout=10.0))
 
     def wait_for_deletions(self, timeout: Optional[float] = None) -> bool:
         """Block until the deletions requested so far ran (the registry applies operations in order)."""

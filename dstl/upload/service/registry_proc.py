@@ -80,6 +80,7 @@ class _Registry:
         self.futures = set()
         self.checkpoints_base = checkpoints_base
         self.grace_ms = grace_ms
+        self.delete_failures = 0  # failed deletion attempts (each retried with backoff)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="dstl-orphan-sweeper", daemon=True)
 
@@ -127,18 +128,31 @@ class _Registry:
             for d in doomed:
                 self.schedule_delete(d)
 
-    def schedule_delete(self, path: str) -> None:
-        fut = self.pool.submit(self._delete, path)
+    def schedule_delete(self, path: str, attempt: int = 0) -> None:
+        try:
+            fut = self.pool.submit(self._delete, path, attempt)
+        except RuntimeError:  # shutting down: the journal keeps it pending for the next start
+            return
         self.futures.add(fut)
         fut.add_done_callback(self.futures.discard)
 
-    def _delete(self, path: str) -> None:
+    def _delete(self, path: str, attempt: int) -> None:
         from dstl.handles import StreamStateHandle
+        from dstl.registry import DELETE_RETRY_DELAYS_S
 
         try:
             StreamStateHandle(path, 0).discard_state()
-        except Exception:
-            log.warning("could not delete changelog file %s (kept for retry at restart)", path, exc_info=True)
+        except Exception as exc:
+            with self.lock:
+                self.delete_failures += 1
+            if attempt < len(DELETE_RETRY_DELAYS_S) and not self._stop.is_set():
+                delay = DELETE_RETRY_DELAYS_S[attempt]
+                log.warning("could not delete changelog file %s (%s); retrying in %.1f s", path, exc, delay)
+                self._stop.wait(delay)  # keeps `sync` waiting for the retry, as in thread mode
+                self._delete(path, attempt + 1)
+            else:
+                log.warning("could not delete changelog file %s (kept, retried at the next start)", path,
+                            exc_info=True)
             return
         with self.lock:
             self.state.pending_delete.discard(path)
@@ -154,6 +168,11 @@ class _Registry:
         if kind == "count":
             with self.lock:
                 value = self.state.ref_count(msg[2])
+            self.conn.send(("reply", msg[1], value))
+            return True
+        if kind == "delete_failures":
+            with self.lock:
+                value = self.delete_failures
             self.conn.send(("reply", msg[1], value))
             return True
         if kind == "sync":

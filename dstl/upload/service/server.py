@@ -546,6 +546,8 @@ class UploadService:
                     value = self.status()
                 elif name == "count":
                     value = self.registry.query("count", args)
+                elif name == "delete_failures":
+                    value = self.registry.query("delete_failures")
                 elif name == "gauges":
                     value = self._gauges()
                 elif name == "flush":
