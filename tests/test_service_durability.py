@@ -25,7 +25,7 @@ GRACE_MS = 3000
 # persists 3 files, then confirms on command ("confirm i" on stdin) and answers each with a line
 _CLIENT = r"""
 import json, sys
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 base, job = sys.argv[1], sys.argv[2]
 s = open_storage(base, upload_mode="process", job_id=job, batch_persist_delay="0 ms")
@@ -164,7 +164,7 @@ def test_enospc_in_the_journal_fails_the_confirm_clearly_and_loses_nothing_ackno
 
 
 def _handle(path):
-    from dstl.handles import StreamStateHandle
+    from dstl.changelog.handles import StreamStateHandle
 
     return StreamStateHandle(path, 1)
 
@@ -174,7 +174,7 @@ def test_journal_unit_short_writes_and_a_failed_record_cut_off(tmp_path, monkeyp
     the middle (later records replay), and raises JournalError without applying anything."""
     import errno
 
-    from dstl.upload.service import journal as jmod
+    from dstl.changelog.upload.service import journal as jmod
 
     j = jmod.Journal(str(tmp_path / "j"))
     state = j.load()

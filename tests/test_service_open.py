@@ -23,7 +23,7 @@ KGR = KeyGroupRange(0, 127)
 
 @pytest.mark.parametrize("mode", UPLOAD_MODES)
 def test_unknown_protocol_is_rejected_at_open(tmp_path, mode):
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     with pytest.raises(ValueError) as info:
         open_storage("nosuchfs://bucket/cl", upload_mode=mode)
@@ -33,7 +33,7 @@ def test_unknown_protocol_is_rejected_at_open(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", UPLOAD_MODES)
 def test_a_base_path_that_is_a_file_is_rejected_at_open(tmp_path, mode):
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     f = tmp_path / "not-a-dir"
     f.write_bytes(b"x")
@@ -46,7 +46,7 @@ def test_a_base_path_that_is_a_file_is_rejected_at_open(tmp_path, mode):
 @pytest.mark.parametrize("mode", UPLOAD_MODES)
 def test_upload_threads_above_the_bound_are_rejected_at_open(tmp_path, mode):
     from dstl.config import MAX_UPLOAD_THREADS
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     with pytest.raises(ValueError) as info:
         open_storage(str(tmp_path), upload_mode=mode, upload_num_threads=MAX_UPLOAD_THREADS + 1)
@@ -74,7 +74,7 @@ def test_a_deleted_job_directory_is_made_again_for_the_next_eight_persists(make_
 def test_failed_deletes_are_retried_with_backoff_and_counted_thread_mode(tmp_path):
     from faultyfs import FAULTS, faulty_url
 
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     FAULTS.reset()
     try:
@@ -120,7 +120,7 @@ def test_failed_deletes_are_retried_with_backoff_and_counted_process_mode(runtim
 
 _EXITING_CLIENT = r"""
 import json, os, signal, sys, time
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 base, job, how = sys.argv[1], sys.argv[2], sys.argv[3]
 s = open_storage(base, upload_mode="process", job_id=job, batch_persist_delay="0 ms")

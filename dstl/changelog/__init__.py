@@ -1,1 +1,1 @@
-"""The changelog: handles, registry, writer, storage, reader, upload and the file-system layout."""
+"""The log core: writers, storage, readers, the registry, handles, and the upload machinery."""

@@ -75,7 +75,7 @@ def resolve(base_path: str, path: str) -> str:
 
 
 def _files_of(d: dict, source: str) -> List[str]:
-    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 
     out: List[str] = []
     try:

@@ -1,0 +1,260 @@
+"""A pool of uploader processes managed by hand (a ProcessPoolExecutor breaks for good when one worker
+dies; here a dead worker fails only its own attempt and is replaced).
+
+Workers are forked from a forkserver that has the upload modules preloaded, so starting or replacing
+one is cheap and never forks the multi-threaded service itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import List, Optional
+
+from dstl.errors import UploadServiceError
+from dstl.changelog.upload.retry import AttemptTimeoutError
+
+log = logging.getLogger("dstl.changelog.upload.service.pool")
+
+WORKER_WAIT_S = 30.0  # longest wait for a healthy uploader before an attempt fails
+PRELOAD = ["dstl.changelog.upload.service.worker", "dstl.changelog.upload.uploader", "dstl.format", "dstl.changelog.handles", "fsspec"]
+
+
+def service_context():
+    """The multiprocessing context for the service's children (forkserver with upload modules preloaded)."""
+    import multiprocessing
+
+    from dstl.changelog.upload.service.worker import user_modules
+
+    ctx = multiprocessing.get_context("forkserver")
+    # user modules too (DSTL_SERVICE_IMPORTS): a replacement worker is then a bare fork
+    ctx.set_forkserver_preload(PRELOAD + user_modules())
+    return ctx
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "pid")
+
+    def __init__(self, proc, conn, pid: int):
+        self.proc, self.conn, self.pid = proc, conn, pid
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, X...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _usable(w: _Worker) -> bool:
+    """An idle worker that can take an attempt: alive, not stopped, its pipe quiet (an idle worker
+    that says anything has died: end of file)."""
+    state = process_state(w.pid)
+    if state is None or state in "ZXxTt":
+        return False
+    try:
+        return not w.conn.poll(0)
+    except (OSError, EOFError, ValueError):
+        return False
+
+
+class UploaderPool:
+    """`size` uploader processes; `run(job)` uses an idle one and returns its result dict.
+
+    Liveness is judged from the worker's own pipe and pid, never from the multiprocessing sentinel:
+    that one is served by the forkserver, and reports every worker dead once the forkserver dies.
+    """
+
+    def __init__(self, ctx, size: int, start_timeout_s: float = 60.0):
+        if size < 1:
+            raise ValueError(f"upload pool size must be >= 1, got {size}")
+        self._ctx = ctx
+        self.size = size
+        self._start_timeout_s = start_timeout_s
+        self._idle: "queue.Queue[Optional[_Worker]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._workers: List[_Worker] = []
+        self._closed = False
+        self.replaced = 0  # workers killed or found dead and replaced (status, tests)
+
+    def start(self) -> None:
+        """Start every worker (called on a background thread: the service accepts clients meanwhile)."""
+        for _ in range(self.size):
+            self._add_worker()
+
+    def _add_worker(self) -> None:
+        from dstl.changelog.upload.service.worker import worker_main
+
+        with self._lock:
+            if self._closed:
+                return
+        parent, child = self._ctx.Pipe(duplex=True)
+        # Process.start() asks the forkserver for the fork; a dead forkserver is restarted by it
+        proc = self._ctx.Process(target=worker_main, args=(child,), name="dstl-uploader", daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(self._start_timeout_s):
+            _kill(proc.pid)
+            parent.close()
+            raise UploadServiceError("an uploader process did not start in time")
+        try:
+            _, pid = parent.recv()
+        except (EOFError, OSError) as exc:
+            raise UploadServiceError("an uploader process died while starting") from exc
+        w = _Worker(proc, parent, pid)
+        with self._lock:
+            if self._closed:
+                self._stop_worker(w)
+                return
+            self._workers.append(w)
+        self._idle.put(w)
+
+    def pids(self) -> List[int]:
+        with self._lock:
+            return [w.pid for w in self._workers]
+
+    def _take(self, deadline: Optional[float]) -> _Worker:
+        """An idle, usable worker; dead or stopped ones met on the way are killed and replaced (so a
+        dead idle worker costs no attempt)."""
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                w = self._idle.get(timeout=timeout)
+            except queue.Empty:
+                raise AttemptTimeoutError("no uploader process became free before the attempt timed out") \
+                    from None
+            if w is None or self._closed:
+                self._idle.put(None)  # wake the next waiter too
+                raise CancelledError("the upload service is shutting down")
+            if _usable(w):
+                return w
+            log.warning("uploader process %s is %s; replacing it", w.pid,
+                        {None: "gone", "T": "stopped", "t": "stopped"}.get(process_state(w.pid), "dead"))
+            self._replace(w)
+
+    def acquire(self, wait_s: float = WORKER_WAIT_S) -> _Worker:
+        """A healthy idle worker for one attempt (dead or stopped ones are replaced on the way);
+        UploadServiceError if none is ready within `wait_s` (the pool cannot start processes)."""
+        try:
+            return self._take(time.monotonic() + wait_s)
+        except AttemptTimeoutError:
+            raise UploadServiceError(f"no uploader process was ready within {wait_s:.0f} s") from None
+
+    def run(self, job: dict, timeout_s: Optional[float] = None, worker: Optional[_Worker] = None) -> dict:
+        """One attempt on `worker` (from `acquire`) or an idle one, at most `timeout_s` (None: no
+        limit). A worker that dies mid-attempt -> UploadServiceError; one that runs past the timeout
+        is killed -> AttemptTimeoutError (both OSErrors: the policy retries them). Either way a
+        replacement starts."""
+        deadline = None if not timeout_s or timeout_s <= 0 else time.monotonic() + timeout_s
+        w = worker if worker is not None else self._take(deadline)
+        intent = None
+        msg = None
+        timed_out = False
+        try:
+            w.conn.send(job)
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not w.conn.poll(remaining):
+                    timed_out = True
+                    break
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                    break
+                if msg[0] == "intent":
+                    intent = msg[1]
+                    continue
+                break
+        except (BrokenPipeError, OSError):
+            msg = None
+        if timed_out or msg is None:
+            state = process_state(w.pid)
+            self._replace(w)
+            if timed_out:
+                err: OSError = AttemptTimeoutError(
+                    f"upload attempt timed out after {timeout_s * 1000:.0f} ms; uploader process {w.pid} "
+                    f"({'stopped' if state in ('T', 't') else 'busy'}) was killed and is being replaced")
+            else:
+                err = UploadServiceError(f"uploader process {w.pid} died during the attempt")
+            err.partial_file = intent  # type: ignore[attr-defined]  # may exist, whole or in part
+            raise err
+        self._idle.put(w)
+        if msg[0] == "ok":
+            return msg[1]
+        exc = msg[1]
+        if msg[2] is not None:
+            exc.dstl_metrics = msg[2]
+        raise exc
+
+    def _replace(self, dead: _Worker) -> None:
+        """Kill `dead` (it may only be stopped or hung) and start a replacement in the background."""
+        with self._lock:
+            if dead in self._workers:
+                self._workers.remove(dead)
+            closed = self._closed
+            self.replaced += 1
+        _kill(dead.pid)
+        try:
+            dead.conn.close()
+        except OSError:
+            pass
+        if closed:
+            return
+
+        def start_one():
+            for delay in (0.0, 0.2, 0.5, 1.0, 2.0):
+                time.sleep(delay)
+                try:
+                    self._add_worker()
+                    return
+                except Exception:
+                    log.warning("could not start a replacement uploader process; retrying", exc_info=True)
+            log.error("gave up starting a replacement uploader process")
+
+        threading.Thread(target=start_one, name="dstl-pool-replace", daemon=True).start()
+
+    @staticmethod
+    def _stop_worker(w: _Worker) -> None:
+        try:
+            w.conn.send(None)
+        except OSError:
+            pass
+        deadline = time.monotonic() + 10
+        while process_state(w.pid) not in (None, "Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if process_state(w.pid) not in (None, "Z", "X"):
+            _kill(w.pid)
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Stop every worker (call after the attempts finished); waiting callers get CancelledError."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+            self._workers.clear()
+        self._idle.put(None)
+        for w in workers:
+            self._stop_worker(w)
+
+
+def _kill(pid: Optional[int]) -> None:
+    """SIGKILL by pid (works on a stopped process too); a pid that is gone is fine."""
+    if not pid:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+__all__ = ["UploaderPool", "process_state", "service_context"]
