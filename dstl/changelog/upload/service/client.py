@@ -97,7 +97,24 @@ def _try_connect(paths: ServicePaths):
         return None
 
 
-def _connect(paths: ServicePaths, config):
+def _connect(paths: ServicePaths, config, tries: int = 3):
+    """Connect to the running service or start one; a service that dies (or stops) during the
+    hand-shake is tried again, up to `tries` times: the next try starts a fresh one."""
+    for n in range(tries):
+        try:
+            return _connect_once(paths, config)
+        except (EOFError, ConnectionError, _Refused) as exc:
+            if n == tries - 1:
+                raise UploadServiceError(f"the upload service went away while connecting: {exc!r}") from exc
+            time.sleep(0.05 * (n + 1))
+    raise AssertionError("unreachable")
+
+
+class _Refused(Exception):
+    """The service is stopping (its linger ended): connect to (or start) the next one."""
+
+
+def _connect_once(paths: ServicePaths, config):
     """Connect to the running service or start one; the flock makes racing writers start only one."""
     with file_lock(paths.lock, timeout_s=START_TIMEOUT_S):
         conn = _try_connect(paths)
@@ -118,14 +135,22 @@ def _connect(paths: ServicePaths, config):
                 time.sleep(0.005)
                 conn = _try_connect(paths)
         cid = secrets.token_hex(4)
-        conn.send(("hello", cid, os.getpid()))
+        try:
+            conn.send(("hello", cid, os.getpid()))
+        except OSError as exc:
+            conn.close()
+            raise ConnectionError(str(exc)) from exc
         if not conn.poll(START_TIMEOUT_S):
             conn.close()
             raise UploadServiceError("the upload service did not answer")
-        welcome = conn.recv()
+        try:
+            welcome = conn.recv()
+        except BaseException:
+            conn.close()
+            raise
         if welcome[0] != "welcome":
             conn.close()
-            raise UploadServiceError(f"the upload service refused the connection: {welcome[1:]}")
+            raise _Refused(f"the upload service refused the connection: {welcome[1:]}")
     return conn, cid, welcome
 
 

@@ -49,6 +49,7 @@ class RegistryState:
         self.entries: Dict[str, List] = {}  # path -> [count, {client: outstanding}]
         self.pending_delete: Set[str] = set()
         self.orphans: Dict[str, List[int]] = {}  # path -> [since_ms, outstanding change sets]
+        self.intents: Dict[str, int] = {}  # files an attempt of the running service may be writing
         self.last_id = 0
 
     def apply(self, op: list) -> List[str]:
@@ -57,10 +58,13 @@ class RegistryState:
             return []  # already applied (re-sent after a restart)
         self.last_id = op_id
         doomed: List[str] = []
-        if kind == "start":
+        if kind == "intent":  # an attempt is about to create `path`
+            self.intents[op[2]] = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
+        elif kind == "start":
             _, _, path, n, owners = op
             self.entries[path] = [int(n), {str(c): int(k) for c, k in (owners or {}).items()}]
             self.orphans.pop(path, None)
+            self.intents.pop(path, None)
         elif kind == "stop":
             self.entries.pop(op[2], None)
             self.orphans.pop(op[2], None)
@@ -72,11 +76,24 @@ class RegistryState:
             # period by `resolve_orphan` (kept if a checkpoint references the file, else released).
             client = str(op[2])
             since = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
-            for path in [p for p, (_, shares) in self.entries.items() if shares.get(client)]:
+            if client == "*":  # a new service: every client and attempt of the previous one is gone
+                for path in list(self.intents):  # files its attempts may have left: orphans too
+                    self.entries.setdefault(path, [1, {}])
+                    self.orphans.setdefault(path, [since, 1])
+                self.intents.clear()
+            for path in [p for p, (_, shares) in self.entries.items()
+                         if (shares if client == "*" else shares.get(client))]:
+                if client == "*":
+                    outstanding = sum(self.entries[path][1].values())
+                    self.entries[path][1].clear()
+                    orphan = self.orphans.setdefault(path, [since, 0])
+                    orphan[1] += outstanding
+                    continue
                 outstanding = self.entries[path][1].pop(client)
                 orphan = self.orphans.setdefault(path, [since, 0])
                 orphan[1] += outstanding
         elif kind == "discard":
+            self.intents.pop(op[2], None)
             self.entries.pop(op[2], None)
             self.orphans.pop(op[2], None)
             doomed.append(op[2])
@@ -128,7 +145,7 @@ class RegistryState:
 
     def to_json(self) -> dict:
         return {"last_id": self.last_id, "entries": self.entries, "pending_delete": sorted(self.pending_delete),
-                "orphans": self.orphans}
+                "orphans": self.orphans, "intents": self.intents}
 
     @classmethod
     def from_json(cls, d: dict) -> "RegistryState":
@@ -137,6 +154,7 @@ class RegistryState:
         s.entries = {p: [int(v[0]), {str(c): int(k) for c, k in v[1].items()}] for p, v in d["entries"].items()}
         s.pending_delete = set(d.get("pending_delete", ()))
         s.orphans = {p: [int(v[0]), int(v[1])] for p, v in d.get("orphans", {}).items()}
+        s.intents = {p: int(v) for p, v in d.get("intents", {}).items()}
         return s
 
 

@@ -27,6 +27,7 @@ from multiprocessing.connection import Listener
 from typing import Dict, List, Optional
 
 from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.worker import intended_url
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 
 log = logging.getLogger("dstl.changelog.upload.service")
@@ -101,6 +102,9 @@ class _BatchAction:
             self.attempts += 1
             n = self.attempts
         job = dict(self.job, file_name=str(uuid.uuid4()))
+        # journaled before the file exists: if this service dies mid-attempt, the next one knows
+        # the file and settles it like a dead client's (after the grace period)
+        self.service.registry.submit("intent", intended_url(job), int(time.time() * 1000))
         worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
             timeout_ms = self.service.policy.timeout_ms
@@ -220,6 +224,8 @@ class UploadService:
     def _start_children(self) -> None:
         try:
             self.registry.start()
+            # every client (and attempt) of an earlier service is gone: their shares become orphans
+            self.registry.submit("drop_client", "*", int(time.time() * 1000))
             self.pool.start()
         except Exception:
             log.exception("the upload service could not start its processes")
