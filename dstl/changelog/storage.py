@@ -40,6 +40,10 @@ class FsStateChangelogStorage:
         self.config = StorageConfig.of(config)  # validates before any thread starts or file is written
         from dstl.changelog.fs import validate_base_path
 
+        if self.config.upload_mode == "process":  # protocols the service's modules register count too
+            from dstl.changelog.upload.service.worker import _preload_user_modules
+
+            _preload_user_modules()
         validate_base_path(self.config.base_path)  # unknown protocol, a file: rejected now, not at upload
         if job_id is None:
             job_id = uuid.uuid4().hex
