@@ -43,7 +43,10 @@ class FsStateChangelogStorage:
         if self.config.upload_mode == "process":  # protocols the service's modules register count too
             from dstl.changelog.upload.service.worker import _preload_user_modules
 
-            _preload_user_modules()
+            try:
+                _preload_user_modules()
+            except ImportError:  # the service reports it, with its log
+                pass
         validate_base_path(self.config.base_path)  # unknown protocol, a file: rejected now, not at upload
         if job_id is None:
             job_id = uuid.uuid4().hex

@@ -34,6 +34,8 @@ from typing import Dict, Optional, Tuple
 from dstl.errors import UploadServiceError
 from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
+                                                     ProtocolError, Release, Reply, Upload, Welcome, dispatch)
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 from dstl.changelog.upload.throttle import AvailabilityProvider
 
@@ -136,7 +138,7 @@ def _connect_once(paths: ServicePaths, config):
                 conn = _try_connect(paths)
         cid = secrets.token_hex(4)
         try:
-            conn.send(("hello", cid, os.getpid()))
+            conn.send(Hello(cid, os.getpid()))
         except OSError as exc:
             conn.close()
             raise ConnectionError(str(exc)) from exc
@@ -148,9 +150,9 @@ def _connect_once(paths: ServicePaths, config):
         except BaseException:
             conn.close()
             raise
-        if welcome[0] != "welcome":
+        if type(welcome) is not Welcome:
             conn.close()
-            raise _Refused(f"the upload service refused the connection: {welcome[1:]}")
+            raise _Refused(f"the upload service refused the connection: {welcome!r:.200}")
     return conn, cid, welcome
 
 
@@ -162,7 +164,8 @@ class ServiceConnection:
         self.config = config
         self.metrics = metrics
         self.conn, self.cid, welcome = _connect(paths, config)
-        _, self.instance, self.service_pid, self.max_in_flight, available, in_flight = welcome
+        self.instance, self.service_pid = welcome.instance, welcome.pid
+        self.max_in_flight, available, in_flight = welcome.max_in_flight, welcome.available, welcome.in_flight
         self.prefix = shm.segment_prefix(self.instance, os.getpid(), self.cid)
         self._send_lock = threading.Lock()
         self._lock = threading.Condition()
@@ -183,6 +186,8 @@ class ServiceConnection:
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._callbacks: "queue.Queue" = queue.Queue()
+        self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
+                       Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set()}
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
         self._reader.start()
@@ -216,7 +221,7 @@ class ServiceConnection:
         with self._lock:
             self._calls[call_id] = fut
         try:
-            self.send(("call", call_id, name, args))
+            self.send(Call(call_id, name, args))
             return fut.result(timeout)
         finally:
             with self._lock:
@@ -249,7 +254,7 @@ class ServiceConnection:
         with self._lock:
             self._pending[task_id] = (task, name)
         try:
-            self.send(("upload", task_id, job_id, local_dir, name, items, task.size))
+            self.send(Upload(task_id, job_id, local_dir, name, items, task.size))
         except UploadServiceError as exc:
             with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
                 entry = self._pending.pop(task_id, None)
@@ -270,23 +275,20 @@ class ServiceConnection:
             except Exception as exc:  # an unpicklable message: the protocol is broken
                 self._break(exc)
                 return
-            kind = msg[0]
-            if kind == "done":
-                self._on_done(msg)
-            elif kind == "failed":
-                self._on_failed(msg)
-            elif kind == "avail":
-                self._on_avail(msg[1], msg[2])
-            elif kind == "reply":
-                with self._lock:
-                    fut = self._calls.get(msg[1])
-                if fut is not None and not fut.done():
-                    if msg[2]:
-                        fut.set_result(msg[3])
-                    else:
-                        fut.set_exception(msg[3])
-            elif kind == "closed":
-                self._closed_event.set()
+            try:
+                dispatch(self._table, msg)
+            except ProtocolError as exc:
+                self._break(exc)
+                return
+
+    def _on_reply(self, msg: Reply) -> None:
+        with self._lock:
+            fut = self._calls.get(msg.call_id)
+        if fut is not None and not fut.done():
+            if msg.ok:
+                fut.set_result(msg.value)
+            else:
+                fut.set_exception(msg.value)
 
     def _watchdog(self) -> None:
         """A service that stops answering (stopped, hung) must not hang the writers: while uploads are
@@ -305,7 +307,8 @@ class ServiceConnection:
                     self._break(TimeoutError(f"no answer for {2 * self.liveness_s:.0f} s ({exc!r})"))
                 return
 
-    def _on_avail(self, available: bool, gauges) -> None:
+    def _on_avail(self, msg: Availability) -> None:
+        available, gauges = msg.available, msg.gauges
         pending = None
         with self._lock:
             self.gauges = gauges
@@ -329,21 +332,19 @@ class ServiceConnection:
             shm.unlink(entry[1])  # this client owns its segments (see shm.py)
         return entry
 
-    def _on_done(self, msg) -> None:
-        _, task_id, path, local_path, logical_size, results, metrics, gauges = msg
-        self.gauges = gauges
-        entry = self._take(task_id)
-        self._record(metrics)
+    def _on_done(self, msg: Done) -> None:
+        self.gauges = msg.gauges
+        entry = self._take(msg.task_id)
+        self._record(msg.metrics)
         if entry is not None:
-            self._callbacks.put((_complete, (entry[0], path, local_path, logical_size, results)))
+            self._callbacks.put((_complete, (entry[0], msg.path, msg.local_path, msg.logical_size, msg.results)))
 
-    def _on_failed(self, msg) -> None:
-        _, task_id, exc, metrics, gauges = msg
-        self.gauges = gauges
-        entry = self._take(task_id)
-        self._record(metrics)
+    def _on_failed(self, msg: Failed) -> None:
+        self.gauges = msg.gauges
+        entry = self._take(msg.task_id)
+        self._record(msg.metrics)
         if entry is not None:
-            self._callbacks.put((entry[0].fail, (exc,)))
+            self._callbacks.put((entry[0].fail, (msg.error,)))
 
     def _record(self, m: Optional[dict]) -> None:
         """Apply a batch's metrics once, however many of this client's tasks were in it."""
@@ -413,7 +414,7 @@ class ServiceConnection:
             self._lock.notify_all()
         if self.broken is None:
             try:
-                self.send(("close",))
+                self.send(Close())
                 self._closed_event.wait(timeout_s)
             except UploadServiceError:
                 pass
@@ -589,12 +590,12 @@ class ServiceRegistryProxy:
         self.connection = connection
         self._closed = False
 
-    def _op(self, kind: str, handle, *args) -> None:
+    def _release(self, handle) -> None:
         try:
-            self.connection.send(("reg", kind, handle.handle_id, *args))
+            self.connection.send(Release(handle.handle_id))
         except UploadServiceError as exc:
             # nothing to release any more: the service that tracked the file is gone (gc is the net)
-            log.warning("registry %s of %s not delivered: %s", kind, handle.handle_id, exc)
+            log.warning("release of %s not delivered: %s", handle.handle_id, exc)
 
     def start_tracking(self, handle, ref_count: int) -> None:
         """Track `handle`; returns once the service's journal holds it durably (else raises)."""
@@ -608,7 +609,7 @@ class ServiceRegistryProxy:
         self.connection.call("reg", ("stop", handle.handle_id, 0))
 
     def release(self, handle) -> None:
-        self._op("release", handle)
+        self._release(handle)
 
     def ref_count(self, handle) -> Optional[int]:
         return self.connection.call("count", handle.handle_id)

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import CancelledError
 from typing import List, Optional
 
+from dstl.changelog.upload.service.protocol import AttemptDone, Intent, Job, Stop
 from dstl.errors import UploadServiceError
 from dstl.changelog.upload.retry import AttemptTimeoutError
 
@@ -104,7 +105,7 @@ class UploaderPool:
             parent.close()
             raise UploadServiceError("an uploader process did not start in time")
         try:
-            _, pid = parent.recv()
+            pid = parent.recv().pid  # WorkerReady
         except (EOFError, OSError) as exc:
             raise UploadServiceError("an uploader process died while starting") from exc
         w = _Worker(proc, parent, pid)
@@ -157,7 +158,7 @@ class UploaderPool:
         msg = None
         timed_out = False
         try:
-            w.conn.send(job)
+            w.conn.send(Job(job))
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not w.conn.poll(remaining):
@@ -168,8 +169,8 @@ class UploaderPool:
                 except (EOFError, OSError):
                     msg = None
                     break
-                if msg[0] == "intent":
-                    intent = msg[1]
+                if type(msg) is Intent:
+                    intent = msg.url
                     continue
                 break
         except (BrokenPipeError, OSError):
@@ -186,11 +187,11 @@ class UploaderPool:
             err.partial_file = intent  # type: ignore[attr-defined]  # may exist, whole or in part
             raise err
         self._idle.put(w)
-        if msg[0] == "ok":
-            return msg[1]
-        exc = msg[1]
-        if msg[2] is not None:
-            exc.dstl_metrics = msg[2]
+        if type(msg) is AttemptDone:
+            return msg.result
+        exc = msg.error  # AttemptFailed
+        if msg.metrics is not None:
+            exc.dstl_metrics = msg.metrics
         raise exc
 
     def _replace(self, dead: _Worker) -> None:
@@ -223,7 +224,7 @@ class UploaderPool:
     @staticmethod
     def _stop_worker(w: _Worker) -> None:
         try:
-            w.conn.send(None)
+            w.conn.send(Stop())
         except OSError:
             pass
         deadline = time.monotonic() + 10

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Set
 
 from dstl.changelog.upload.service.journal import Journal, JournalError
+from dstl.changelog.upload.service.protocol import (Ack, Operation, ProtocolError, Query, QueryReply,
+                                                     RegistryHello, Shutdown, dispatch)
 from dstl.changelog.upload.service.runtime import file_lock
 
 log = logging.getLogger("dstl.changelog.upload.service.registry")
@@ -82,6 +84,7 @@ class _Registry:
         self.grace_ms = grace_ms
         self.delete_failures = 0  # failed deletion attempts (each retried with backoff)
         self._stop = threading.Event()
+        self._table = {Operation: self._operation, Query: self._query, Shutdown: lambda _msg: False}
         self._sweeper = threading.Thread(target=self._sweep_loop, name="dstl-orphan-sweeper", daemon=True)
 
     def start_sweeper(self) -> None:
@@ -162,24 +165,26 @@ class _Registry:
                 log.warning("%s", exc)
 
     def handle(self, msg) -> bool:
-        kind = msg[0]
-        if kind == "shutdown":
-            return False
-        if kind == "count":
+        """One message from the service; False once it says Shutdown."""
+        return dispatch(self._table, msg)
+
+    def _query(self, msg: Query) -> bool:
+        if msg.kind == "count":
             with self.lock:
-                value = self.state.ref_count(msg[2])
-            self.conn.send(("reply", msg[1], value))
-            return True
-        if kind == "delete_failures":
+                value = self.state.ref_count(msg.args[0])
+        elif msg.kind == "delete_failures":
             with self.lock:
                 value = self.delete_failures
-            self.conn.send(("reply", msg[1], value))
-            return True
-        if kind == "sync":
+        elif msg.kind == "sync":  # every deletion scheduled so far has run
             wait(list(self.futures))
-            self.conn.send(("reply", msg[1], None))
-            return True
-        op = list(msg)
+            value = None
+        else:
+            raise ProtocolError(f"unknown registry query {msg.kind!r}")
+        self.conn.send(QueryReply(msg.query_id, value))
+        return True
+
+    def _operation(self, msg: Operation) -> bool:
+        op = list(msg.record)
         error = None
         with self.lock:
             if op[1] <= self.state.last_id:
@@ -200,7 +205,7 @@ class _Registry:
                     log.error("%s; the journal keeps growing until it can be written", exc)
         for path in doomed:
             self.schedule_delete(path)
-        self.conn.send(("ack", msg[1], error))
+        self.conn.send(Ack(op[1], error))
         return True
 
     def finish(self) -> None:
@@ -234,7 +239,7 @@ def registry_main(conn, journal_dir: str, discard_threads: int, checkpoints_base
         for path in sorted(reg.state.pending_delete):
             reg.schedule_delete(path)
         reg.start_sweeper()
-        conn.send(("hello", reg.state.last_id, os.getpid()))
+        conn.send(RegistryHello(reg.state.last_id, os.getpid()))
         try:
             while True:
                 try:

@@ -27,6 +27,9 @@ from multiprocessing.connection import Listener
 from typing import Dict, List, Optional
 
 from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
+                                                     ProtocolError, Refused, Release, Reply, Upload, Welcome,
+                                                     dispatch)
 from dstl.changelog.upload.service.worker import intended_url
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 
@@ -190,6 +193,8 @@ class UploadService:
         self.registry = None
         self.executor = None
         self._ready = threading.Event()
+        self._client_table = {Upload: self._upload, Release: self._on_release, Call: self._call,
+                              Close: lambda _msg, client: self._client_closing(client)}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -310,23 +315,18 @@ class UploadService:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     break
-                kind = msg[0]
-                if kind == "hello":
+                if client is None:  # the first message must be Hello
+                    if type(msg) is not Hello:
+                        log.warning("a connection opened with %s instead of Hello", type(msg).__name__)
+                        break
                     client = self._hello(conn, msg)
                     if client is None:
                         break
-                elif client is None:
-                    break
-                elif kind == "upload":
-                    self._upload(client, msg)
-                elif kind == "reg":
-                    self._registry_op(client, msg)
-                elif kind == "call":
-                    self._call(client, msg)
-                elif kind == "close":
-                    self._client_closing(client)
-                else:
-                    log.warning("unknown message %r from client %s", kind, client.cid)
+                    continue
+                try:
+                    dispatch(self._client_table, msg, client)
+                except ProtocolError as exc:
+                    log.warning("client %s: %s", client.cid, exc)
         finally:
             if client is not None:
                 self._client_gone(client)
@@ -335,8 +335,8 @@ class UploadService:
             except OSError:
                 pass
 
-    def _hello(self, conn, msg) -> Optional[_Client]:
-        _, cid, pid = msg[:3]
+    def _hello(self, conn, msg: Hello) -> Optional[_Client]:
+        cid, pid = msg.client_id, msg.pid
         # welcomed once the uploaders and the registry run: a first attempt must not spend its
         # timeout waiting for the pool to start
         self._ready.wait(60)
@@ -349,17 +349,17 @@ class UploadService:
             if self.linger_timer is not None:
                 self.linger_timer.cancel()
                 self.linger_timer = None
-            welcome = ("welcome", self.instance, os.getpid(), self.config.max_in_flight, self.available,
-                       self.in_flight)
+            welcome = Welcome(self.instance, os.getpid(), self.config.max_in_flight, self.available,
+                              self.in_flight)
         if refused:
-            client.send(("refused", "the service is stopping"))
+            client.send(Refused("the service is stopping"))
             return None
         client.send(welcome)
         return client
 
-    def _upload(self, client: _Client, msg) -> None:
-        _, task_id, job_id, local_dir, segment, items, size = msg
-        task = _Task(client, task_id, (job_id, local_dir), segment, items, size)
+    def _upload(self, msg: Upload, client: _Client) -> None:
+        task_id, size = msg.task_id, msg.size
+        task = _Task(client, task_id, (msg.job_id, msg.local_dir), msg.segment, msg.items, size)
         with self.lock:
             if self.sticky is not None or client.closing or self.stopping:
                 exc = self.sticky if self.sticky is not None else CancelledError("the upload scheduler is closed")
@@ -374,7 +374,7 @@ class UploadService:
                 self.queue.append(task)
                 self.queued_bytes += size
         if fail:
-            client.send(("failed", task_id, exc, None, self._gauges()))
+            client.send(Failed(task_id, exc, None, self._gauges()))
             return
         if became_unavailable:
             self._broadcast_availability(False)
@@ -446,7 +446,7 @@ class UploadService:
             clients = [c for c in self.clients.values() if c.alive]
             gauges = (self.in_flight, len(self.queue), int(self.available))
         for c in clients:
-            c.send(("avail", available, gauges))
+            c.send(Availability(available, gauges))
 
     def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
         dead = set()
@@ -454,7 +454,7 @@ class UploadService:
             self._release(t.size)
             self._finish_task(t)
             if t.client.alive:
-                t.client.send(("done", t.task_id, res["path"], res["local_path"], res["logical_size"], results,
+                t.client.send(Done(t.task_id, res["path"], res["local_path"], res["logical_size"], results,
                                action.metrics, self._gauges()))
             else:
                 dead.add(t.client)
@@ -470,7 +470,7 @@ class UploadService:
         for t in tasks:
             self._release(t.size)
             self._finish_task(t)
-            t.client.send(("failed", t.task_id, exc, metrics, self._gauges()))
+            t.client.send(Failed(t.task_id, exc, metrics, self._gauges()))
         self._after_finish(tasks)
 
     def _finish_task(self, t: _Task) -> None:
@@ -485,7 +485,7 @@ class UploadService:
             with self.lock:
                 idle = not c.tasks
             if idle and c.closing and c.alive:
-                c.send(("closed",))
+                c.send(Closed())
             if idle and not c.alive:
                 shm.sweep(c.prefix)
         self._arm_linger()
@@ -500,10 +500,10 @@ class UploadService:
         for t in mine:
             self._release(t.size)
             self._finish_task(t)
-            client.send(("failed", t.task_id, CancelledError("the upload scheduler was closed"), None,
+            client.send(Failed(t.task_id, CancelledError("the upload scheduler was closed"), None,
                          self._gauges()))
         if idle_after:
-            client.send(("closed",))
+            client.send(Closed())
 
     def _client_gone(self, client: _Client) -> None:
         with self.lock:
@@ -528,20 +528,11 @@ class UploadService:
         self._arm_linger()
 
     # ---- registry and calls ----------------------------------------------------------------
-    def _registry_op(self, client: _Client, msg) -> None:
-        _, kind, path = msg[:3]
-        if kind == "start":
-            n = int(msg[3])
-            self.registry.submit("start", path, n, {client.cid: n})
-        elif kind == "stop":
-            self.registry.submit("stop", path)
-        elif kind == "release":
-            self.registry.submit("release", path, client.cid)
-        else:
-            log.warning("unknown registry operation %r", kind)
+    def _on_release(self, msg: Release, client: _Client) -> None:
+        self.registry.submit("release", msg.path, client.cid)
 
-    def _call(self, client: _Client, msg) -> None:
-        _, call_id, name, args = msg
+    def _call(self, msg: Call, client: _Client) -> None:
+        call_id, name, args = msg.call_id, msg.name, msg.args
 
         def answer():
             try:
@@ -572,9 +563,9 @@ class UploadService:
                     value = None
                 else:
                     raise ValueError(f"unknown call {name!r}")
-                client.send(("reply", call_id, True, value))
+                client.send(Reply(call_id, True, value))
             except BaseException as exc:
-                client.send(("reply", call_id, False, exc))
+                client.send(Reply(call_id, False, exc))
 
         if name == "ping":
             answer()  # on the reader thread: this is what the latency benchmark measures

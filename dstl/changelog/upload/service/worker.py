@@ -155,29 +155,38 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def worker_main(conn) -> None:
-    """Serve jobs from `conn` until None or end of file (the service is gone)."""
+    """Serve Job messages from `conn` until Stop or end of file (the service is gone)."""
+    from dstl.changelog.upload.service.protocol import (AttemptDone, AttemptFailed, Intent, Job, Stop,
+                                                         WorkerReady, dispatch)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s uploader %(levelname)s %(message)s")
     _preload_user_modules()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
+
+    def attempt(msg: Job):
+        job = msg.spec
         start = time.perf_counter_ns()
         try:
             if job.get("file_name"):
-                conn.send(("intent", intended_url(job)))
+                conn.send(Intent(intended_url(job)))
             res = run_attempt(job)
             res["wall_ns"] = time.perf_counter_ns() - start
-            msg = ("ok", res)
+            return AttemptDone(res)
         except BaseException as exc:  # an attempt's failure is data, not the worker's death
-            msg = ("err", _portable(exc), getattr(exc, "dstl_metrics", None))
+            return AttemptFailed(_portable(exc), getattr(exc, "dstl_metrics", None))
+
+    table = {Job: attempt, Stop: lambda _msg: None}
+    conn.send(WorkerReady(os.getpid()))
+    while True:
         try:
-            conn.send(msg)
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        answer = dispatch(table, msg)
+        if answer is None:
+            return
+        try:
+            conn.send(answer)
         except (BrokenPipeError, EOFError, OSError):
             return
 
