@@ -130,7 +130,8 @@ def test_short_journal_writes_lose_no_acknowledged_confirm(runtime, tmp_path, fa
             keeper.close()
 
 
-def test_enospc_in_the_journal_fails_the_confirm_clearly_and_loses_nothing_acknowledged(runtime, tmp_path, faults):
+def test_enospc_in_the_journal_fails_the_confirm_clearly_and_loses_nothing_acknowledged(runtime, tmp_path, faults,
+                                                                                         caplog):
     base = tmp_path / "base"
     job = uuid.uuid4().hex
     proc, info = _start_client(base, job)
@@ -144,6 +145,11 @@ def test_enospc_in_the_journal_fails_the_confirm_clearly_and_loses_nothing_ackno
         answer = _command(proc, "confirm 1")
         assert not answer["ok"], "a confirm the journal could not record must fail to its client"
         assert "journal" in answer["error"] and "No space left" in answer["error"], answer["error"]
+        # and the error is pushed to every client's log (visible even if the service's log is full)
+        deadline = time.monotonic() + 10
+        while not [r for r in caplog.records if "upload service" in r.getMessage() and "journal" in r.getMessage()]:
+            assert time.monotonic() < deadline, "the journal error was not pushed to the other clients"
+            time.sleep(0.05)
         # the service keeps serving: uploads still work while confirms fail
         w = keeper.create_writer("op-keeper", KGR)
         w.append(1, b"still uploading")

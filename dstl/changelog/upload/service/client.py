@@ -35,7 +35,8 @@ from dstl.errors import UploadServiceError
 from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
 from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
-                                                     ProtocolError, Release, Reply, Upload, Welcome, dispatch)
+                                                     Notice, ProtocolError, Release, Reply, Upload, Welcome,
+                                                     dispatch)
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 from dstl.changelog.upload.throttle import AvailabilityProvider
 
@@ -187,7 +188,8 @@ class ServiceConnection:
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._callbacks: "queue.Queue" = queue.Queue()
         self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
-                       Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set()}
+                       Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set(),
+                       Notice: lambda msg: log.error("upload service (pid %s): %s", self.service_pid, msg.text)}
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
         self._reader.start()

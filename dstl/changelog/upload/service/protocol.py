@@ -1,10 +1,10 @@
 """Every message between the upload service's processes: one small immutable class per kind, and
 `dispatch` to route a received message through a table `{message class: handler}`.
 
-Four channels, each a multiprocessing connection (pickled messages):
+Three channels, each a multiprocessing connection (pickled messages):
 
 * client <-> service (Unix socket): Hello, Upload, Release, Call, Close / Welcome, Refused, Done,
-  Failed, Availability, Reply, Closed;
+  Failed, Availability, Reply, Closed, Notice;
 * service <-> registry process (pipe): Operation, Query, Shutdown / RegistryHello, Ack, QueryReply;
 * service <-> uploader process (pipe): Job, Stop / WorkerReady, Intent, AttemptDone, AttemptFailed.
 
@@ -100,6 +100,12 @@ class Closed(NamedTuple):
     """Every task of the closing client has finished."""
 
 
+class Notice(NamedTuple):
+    """An error the service logged, pushed to every client so that it is visible in the clients' logs
+    even when the service's own log file cannot be written (a full runtime file system)."""
+    text: str
+
+
 # ---- service <-> registry process -------------------------------------------------------------
 class Operation(NamedTuple):
     """A journaled registry operation: `record` = [kind, op id, *arguments] (see journal.RegistryState)."""
@@ -173,6 +179,6 @@ def dispatch(table: Handlers, msg: Any, *args: Any) -> Any:
 
 
 __all__ = ["ProtocolError", "dispatch", "Hello", "Upload", "Release", "Call", "Close", "Welcome", "Refused",
-           "Done", "Failed", "Availability", "Reply", "Closed", "Operation", "Query", "Shutdown",
+           "Done", "Failed", "Availability", "Reply", "Closed", "Notice", "Operation", "Query", "Shutdown",
            "RegistryHello", "Ack", "QueryReply", "Job", "Stop", "WorkerReady", "Intent", "AttemptDone",
            "AttemptFailed", "Handlers"]

@@ -28,8 +28,8 @@ from typing import Dict, List, Optional
 
 from dstl.changelog.upload.service import shm
 from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
-                                                     ProtocolError, Refused, Release, Reply, Upload, Welcome,
-                                                     dispatch)
+                                                     Notice, ProtocolError, Refused, Release, Reply, Upload,
+                                                     Welcome, dispatch)
 from dstl.changelog.upload.service.worker import intended_url
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 
@@ -554,12 +554,16 @@ class UploadService:
                     value = self.registry.query("sync", timeout=120)
                 elif name == "reg":  # start / stop tracking: answered once durable in the journal
                     kind, path, n = args
-                    if kind == "start":
-                        self.registry.apply("start", path, int(n), {client.cid: int(n)})
-                    elif kind == "stop":
-                        self.registry.apply("stop", path)
-                    else:
-                        raise ValueError(f"unknown registry call {kind!r}")
+                    try:
+                        if kind == "start":
+                            self.registry.apply("start", path, int(n), {client.cid: int(n)})
+                        elif kind == "stop":
+                            self.registry.apply("stop", path)
+                        else:
+                            raise ValueError(f"unknown registry call {kind!r}")
+                    except OSError as exc:  # logged (and so pushed to every client) as well as answered
+                        log.error("%s", exc)
+                        raise
                     value = None
                 else:
                     raise ValueError(f"unknown call {name!r}")
@@ -584,6 +588,25 @@ class UploadService:
             }
 
 
+class _ClientNotices(logging.Handler):
+    """Pushes the service's errors to its clients (Notice): visible in their logs even when the
+    service's log file is on a full file system."""
+
+    def __init__(self, service: "UploadService"):
+        super().__init__(logging.ERROR)
+        self.service = service
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            with self.service.lock:
+                clients = [c for c in self.service.clients.values() if c.alive]
+            for c in clients:
+                c.send(Notice(text[:2000]))
+        except Exception:  # a log handler must never raise
+            pass
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     paths = ServicePaths(argv[0])
@@ -601,6 +624,7 @@ def main(argv=None) -> int:
 
     _preload_user_modules()
     service = UploadService(paths, config, linger)
+    logging.getLogger().addHandler(_ClientNotices(service))
 
     def on_term(_signo, _frame):  # stop accepting, finish what runs, clean up, exit
         service.terminated = True
