@@ -21,6 +21,8 @@ import os
 import time
 from typing import Dict, List, Optional, Set
 
+from dstl.changelog.registry import RefCounts
+
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot.json"
@@ -42,13 +44,15 @@ def fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-class RegistryState:
-    """Reference counts with per-client shares; `apply` returns the paths that became deletable."""
+class RegistryState(RefCounts):
+    """The service's registry: the one reference-counting core (`RefCounts`, shares per client) driven
+    by journaled operations, plus what the journal must remember besides the counts: the last
+    applied operation id, deletions not yet done, and files attempts are writing (intents).
+    `apply` returns the paths that became deletable."""
 
     def __init__(self) -> None:
-        self.entries: Dict[str, List] = {}  # path -> [count, {client: outstanding}]
+        super().__init__()
         self.pending_delete: Set[str] = set()
-        self.orphans: Dict[str, List[int]] = {}  # path -> [since_ms, outstanding change sets]
         self.intents: Dict[str, int] = {}  # files an attempt of the running service may be writing
         self.last_id = 0
 
@@ -62,36 +66,23 @@ class RegistryState:
             self.intents[op[2]] = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
         elif kind == "start":
             _, _, path, n, owners = op
-            self.entries[path] = [int(n), {str(c): int(k) for c, k in (owners or {}).items()}]
-            self.orphans.pop(path, None)
+            self.start(path, n, owners)
             self.intents.pop(path, None)
         elif kind == "stop":
-            self.entries.pop(op[2], None)
-            self.orphans.pop(op[2], None)
+            self.stop(op[2])
         elif kind == "release":
-            self._release(op[2], op[3], 1, doomed)
+            if self.release(op[2], op[3], 1):
+                doomed.append(op[2])
         elif kind == "drop_client":
-            # A dead client's shares are not released: a checkpoint written by someone else (a Spark
-            # driver) may already reference the file. They become orphans, resolved after a grace
-            # period by `resolve_orphan` (kept if a checkpoint references the file, else released).
+            # A dead client's shares become orphans, settled after a grace period (`resolve_orphan`).
+            # "*": a new service; every client and attempt of the previous one is gone.
             client = str(op[2])
             since = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
-            if client == "*":  # a new service: every client and attempt of the previous one is gone
+            if client == "*":
                 for path in list(self.intents):  # files its attempts may have left: orphans too
-                    self.entries.setdefault(path, [1, {}])
-                    self.orphans.setdefault(path, [since, 1])
+                    self.adopt_orphan(path, since)
                 self.intents.clear()
-            for path in [p for p, (_, shares) in self.entries.items()
-                         if (shares if client == "*" else shares.get(client))]:
-                if client == "*":
-                    outstanding = sum(self.entries[path][1].values())
-                    self.entries[path][1].clear()
-                    orphan = self.orphans.setdefault(path, [since, 0])
-                    orphan[1] += outstanding
-                    continue
-                outstanding = self.entries[path][1].pop(client)
-                orphan = self.orphans.setdefault(path, [since, 0])
-                orphan[1] += outstanding
+            self.drop_owner(None if client == "*" else client, since)
         elif kind == "discard":
             self.intents.pop(op[2], None)
             self.entries.pop(op[2], None)
@@ -104,44 +95,11 @@ class RegistryState:
         self.pending_delete.update(doomed)
         return doomed
 
-    def resolve_orphan(self, path: str, keep: bool) -> List[str]:
-        """Settle an orphan: `keep` (a checkpoint references it) untracks the file like `stop`;
-        otherwise its outstanding change sets are released (deleted at 0). Returns deletable paths."""
-        orphan = self.orphans.pop(path, None)
-        doomed: List[str] = []
-        if orphan is None or path not in self.entries:
-            return doomed
-        if keep:
-            del self.entries[path]
-        else:
-            self._release(path, None, orphan[1], doomed)
+    def resolve_orphan(self, path: str, keep: bool) -> List[str]:  # type: ignore[override]
+        """`RefCounts.resolve_orphan`, returning the deletable paths (and remembering them)."""
+        doomed = [path] if super().resolve_orphan(path, keep) else []
         self.pending_delete.update(doomed)
         return doomed
-
-    def expired_orphans(self, now_ms: int, grace_ms: int) -> List[str]:
-        return sorted(p for p, (since, _) in self.orphans.items() if since + grace_ms <= now_ms)
-
-    def _release(self, path: str, client: Optional[str], times: int, doomed: List[str]) -> None:
-        entry = self.entries.get(path)
-        if entry is None:
-            log.warning("release of untracked changelog file %s ignored", path)
-            return
-        shares = entry[1]
-        if client is not None and shares.get(client):
-            left = shares[client] - times
-            if left > 0:
-                shares[client] = left
-            else:
-                del shares[client]
-        entry[0] -= times
-        if entry[0] <= 0:
-            del self.entries[path]
-            self.orphans.pop(path, None)
-            doomed.append(path)
-
-    def ref_count(self, path: str) -> Optional[int]:
-        entry = self.entries.get(path)
-        return None if entry is None else entry[0]
 
     def to_json(self) -> dict:
         return {"last_id": self.last_id, "entries": self.entries, "pending_delete": sorted(self.pending_delete),
