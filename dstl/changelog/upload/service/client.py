@@ -44,6 +44,7 @@ log = logging.getLogger("dstl.changelog.upload.service.client")
 
 START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
+OUTBOX = 2  # tasks waiting for the sender thread (copy into shared memory + descriptor)
 FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
 _LAUNCHER = (
     "import subprocess, sys\n"
@@ -186,6 +187,8 @@ class ServiceConnection:
         self._free: list = []  # (name, size) of segments of finished tasks, reused LIFO
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
+        self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
+        threading.Thread(target=self._send_loop, name="dstl-service-sender", daemon=True).start()
         self._callbacks: "queue.Queue" = queue.Queue()
         self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
                        Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set(),
@@ -236,7 +239,35 @@ class ServiceConnection:
                 self._lock.wait()
 
     def submit(self, task, job_id: str, local_dir: Optional[str]) -> None:
-        """Copy the bodies into a new segment and send the descriptor (caller checked state)."""
+        """Hand `task` to the sender thread (caller checked state): the copy into shared memory then
+        overlaps the writer's next appends, as the upload itself does in thread mode. At most
+        OUTBOX tasks wait for it (their bodies are held until copied)."""
+        self._outbox.put((task, job_id, local_dir))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            try:
+                if item is None:
+                    return
+                task = item[0]
+                try:
+                    if self.broken is not None:
+                        raise self._error()
+                    self._submit_now(*item)
+                except Exception as exc:  # e.g. /dev/shm full: the task fails, nothing is lost silently
+                    self._callbacks.put((task.fail, (exc,)))
+            finally:
+                self._outbox.task_done()
+
+    def _drain_outbox(self, timeout_s: float) -> None:
+        """Wait until the sender thread handed over every task given to `submit`."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _submit_now(self, task, job_id: str, local_dir: Optional[str]) -> None:
+        """Copy the bodies into a new segment and send the descriptor."""
         task_id = next(self._ids)
         sets = task.change_sets
         with self._lock:
@@ -414,6 +445,7 @@ class ServiceConnection:
                 return
             self.closing = True
             self._lock.notify_all()
+        self._drain_outbox(timeout_s)
         if self.broken is None:
             try:
                 self.send(Close())
@@ -452,6 +484,10 @@ class ServiceConnection:
     def shutdown(self) -> None:
         if not self.closing:
             self.close_uploads(30.0)
+        try:
+            self._outbox.put(None, timeout=5)
+        except queue.Full:
+            pass
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))
