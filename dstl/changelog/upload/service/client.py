@@ -44,7 +44,8 @@ log = logging.getLogger("dstl.changelog.upload.service.client")
 
 START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
-OUTBOX = 2  # tasks waiting for the sender thread (copy into shared memory + descriptor)
+OUTBOX = 2  # tasks waiting for a sender thread (encode + copy into shared memory, descriptor)
+SENDERS = 2  # sender threads: two sealed bodies are encoded and copied at once (both cores)
 FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
 _LAUNCHER = (
     "import subprocess, sys\n"
@@ -188,7 +189,8 @@ class ServiceConnection:
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
-        threading.Thread(target=self._send_loop, name="dstl-service-sender", daemon=True).start()
+        for i in range(SENDERS):
+            threading.Thread(target=self._send_loop, name=f"dstl-service-sender-{i}", daemon=True).start()
         self._callbacks: "queue.Queue" = queue.Queue()
         self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
                        Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set(),
@@ -484,10 +486,11 @@ class ServiceConnection:
     def shutdown(self) -> None:
         if not self.closing:
             self.close_uploads(30.0)
-        try:
-            self._outbox.put(None, timeout=5)
-        except queue.Full:
-            pass
+        for _ in range(SENDERS):
+            try:
+                self._outbox.put(None, timeout=5)
+            except queue.Full:
+                break
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))

@@ -107,16 +107,17 @@ class _BatchAction:
         job = dict(self.job, file_name=str(uuid.uuid4()))
         # journaled before the file exists: if this service dies mid-attempt, the next one knows
         # the file and settles it like a dead client's (after the grace period)
-        self.service.registry.submit("intent", intended_url(job), int(time.time() * 1000))
+        intent = intended_url(job)
+        self.service.registry.submit("intent", intent, int(time.time() * 1000))
         worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
             timeout_ms = self.service.policy.timeout_ms
             res = self.service.pool.run(job, timeout_ms / 1000.0 if timeout_ms > 0 else None, worker)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
-            partial = getattr(exc, "partial_file", None)
-            if partial:  # a killed uploader cannot clean up after itself
-                self.service.registry.submit("discard", partial)
+            # a killed uploader cannot clean up after itself; a failed attempt deleted its partial
+            # file already, and discarding it again also forgets the intent
+            self.service.registry.submit("discard", getattr(exc, "partial_file", None) or intent)
             raise
         self._record(res["metrics"])
         self._track(res)
