@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from concurrent.futures import CancelledError
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from dstl.changelog.upload.service.protocol import AttemptDone, Intent, Job, Stop
 from dstl.errors import UploadServiceError
@@ -21,6 +21,7 @@ from dstl.changelog.upload.retry import AttemptTimeoutError
 
 log = logging.getLogger("dstl.changelog.upload.service.pool")
 
+_SETTLED_POLL_S = 0.05  # how often a running attempt checks whether its action was decided
 WORKER_WAIT_S = 30.0  # longest wait for a healthy uploader before an attempt fails
 PRELOAD = ["dstl.changelog.upload.service.worker", "dstl.changelog.upload.uploader", "dstl.format", "dstl.changelog.handles", "fsspec"]
 
@@ -147,11 +148,13 @@ class UploaderPool:
         except AttemptTimeoutError:
             raise UploadServiceError(f"no uploader process was ready within {wait_s:.0f} s") from None
 
-    def run(self, job: dict, timeout_s: Optional[float] = None, worker: Optional[_Worker] = None) -> dict:
-        """One attempt on `worker` (from `acquire`) or an idle one, at most `timeout_s` (None: no
-        limit). A worker that dies mid-attempt -> UploadServiceError; one that runs past the timeout
-        is killed -> AttemptTimeoutError (both OSErrors: the policy retries them). Either way a
-        replacement starts."""
+    def run(self, job: dict, timeout_s: Optional[float] = None, worker: Optional[_Worker] = None,
+            settled: Optional[Callable[[], bool]] = None) -> dict:
+        """One attempt on `worker` (from `acquire`) or an idle one. It may run past its timeout (a
+        speculative successor races it, as in thread mode) until `settled()` says its action is
+        decided (another attempt won, or every attempt failed), or at the latest `timeout_s` (None:
+        no limit): then its worker is killed and replaced -> AttemptTimeoutError. A worker that dies
+        mid-attempt -> UploadServiceError (both OSErrors: the policy retries them)."""
         deadline = None if not timeout_s or timeout_s <= 0 else time.monotonic() + timeout_s
         w = worker if worker is not None else self._take(deadline)
         intent = None
@@ -161,9 +164,14 @@ class UploaderPool:
             w.conn.send(Job(job))
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if settled is not None:
+                    remaining = _SETTLED_POLL_S if remaining is None else min(remaining, _SETTLED_POLL_S)
                 if not w.conn.poll(remaining):
-                    timed_out = True
-                    break
+                    expired = deadline is not None and time.monotonic() >= deadline
+                    if expired or (settled is not None and settled()):
+                        timed_out = True
+                        break
+                    continue
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
@@ -180,8 +188,9 @@ class UploaderPool:
             self._replace(w)
             if timed_out:
                 err: OSError = AttemptTimeoutError(
-                    f"upload attempt timed out after {timeout_s * 1000:.0f} ms; uploader process {w.pid} "
-                    f"({'stopped' if state in ('T', 't') else 'busy'}) was killed and is being replaced")
+                    f"upload attempt outlived its action (limit {timeout_s * 1000 if timeout_s else 0:.0f} ms); "
+                    f"uploader process {w.pid} ({'stopped' if state in ('T', 't') else 'busy'}) was killed "
+                    "and is being replaced")
             else:
                 err = UploadServiceError(f"uploader process {w.pid} died during the attempt")
             err.partial_file = intent  # type: ignore[attr-defined]  # may exist, whole or in part

@@ -77,6 +77,7 @@ class _BatchAction:
         self.lock = threading.Lock()
         self.attempts = 0
         self._worker = threading.local()  # the uploader prepare_attempt took, per attempt thread
+        self.settled = False  # set once the executor decided the action (won or failed)
         self.metrics = {"requests": 0, "failures": 0, "sizes": [], "latencies": [],
                         "batch_id": next(_batch_ids), "batch": len(tasks)}
         job_id, local_dir = tasks[0].group
@@ -96,6 +97,17 @@ class _BatchAction:
             self.metrics["sizes"] += m["sizes"]
             self.metrics["latencies"] += m["latencies"]
 
+    def _limit_s(self) -> Optional[float]:
+        """The longest an attempt may run: past its own timeout it races its speculative successors
+        (as in thread mode) until its action is decided, and at the latest until every attempt of
+        the policy has had its timeout. Then its uploader is killed and replaced."""
+        policy = self.service.policy
+        if policy.timeout_ms <= 0:
+            return None
+        attempts = getattr(policy, "max_attempts", 1)
+        delay = getattr(policy, "delay_ms", 0)
+        return (attempts * policy.timeout_ms + (attempts - 1) * delay) / 1000.0
+
     def prepare_attempt(self) -> None:
         """Take a healthy uploader before the attempt's timeout starts (a dead one costs no attempt)."""
         self._worker.value = self.service.pool.acquire()
@@ -111,8 +123,7 @@ class _BatchAction:
         self.service.registry.submit("intent", intent, int(time.time() * 1000))
         worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
-            timeout_ms = self.service.policy.timeout_ms
-            res = self.service.pool.run(job, timeout_ms / 1000.0 if timeout_ms > 0 else None, worker)
+            res = self.service.pool.run(job, self._limit_s(), worker, lambda: self.settled)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
             # a killed uploader cannot clean up after itself; a failed attempt deleted its partial
@@ -140,6 +151,7 @@ class _BatchAction:
             raise
 
     def complete_with_result(self, result) -> None:
+        self.settled = True
         n, res = result
         with self.lock:
             self.metrics["attempts"] = n
@@ -153,6 +165,7 @@ class _BatchAction:
                 self.service.registry.submit("discard", p)
 
     def handle_failure(self, exc: BaseException) -> None:
+        self.settled = True
         self.service.batch_failed(self, exc)
 
 
