@@ -17,6 +17,9 @@ One micro-batch is one checkpoint (id = batch + 1). For each batch:
    has just uploaded are never touched; all of them at `finish()`).
 
 The base path holds one job: `<base>/_dstl_job.json` names it; a different job there is an error.
+Paths under the base path (the output directory in the job file, the staged and final output files
+in the checkpoint properties, the changelog files in the metadata) are stored relative to it, so the
+whole base path can be copied or moved and resumed from its new place (dstl.state.relpaths).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
+from dstl.state.relpaths import relative_to, resolve
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +128,16 @@ class CheckpointCoordinator:
         fs, root = _fs(base)
         job_file = _join(root, JOB_FILE)
         stored = None
+        stored_raw = None
         if fs.exists(job_file):
             with fs.open(job_file, "rb") as f:
                 try:
                     stored = JobSpec(**json.loads(f.read().decode()))
                 except (ValueError, TypeError) as exc:
                     raise JobConflictError(f"{_join(base, JOB_FILE)} is not a dstl job file: {exc}") from None
+            stored_raw = stored.output_path
+            if stored.output_path:
+                stored.output_path = resolve(base, stored.output_path)
         if not resume:
             if stored is not None:
                 raise JobConflictError(f"base path {base} already holds job {stored.job_id} "
@@ -138,13 +146,14 @@ class CheckpointCoordinator:
                 raise JobConflictError(f"base path {base} already holds checkpoints of another job; "
                                        f"use another base path")
             fs.makedirs(root, exist_ok=True)
-            with fs.open(job_file, "wb") as f:
-                f.write(json.dumps(asdict(spec), indent=1, sort_keys=True).encode())
+            _write_job_file(fs, job_file, base, spec)
             return cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
                        durable=durable)
         if stored is None:
             raise JobConflictError(f"nothing to resume: base path {base} holds no dstl job ({JOB_FILE} missing)")
-        _check_same(stored, spec)
+        _check_same(stored, spec, base)
+        if stored_raw and stored.output_path and relative_to(base, stored.output_path) != stored_raw:
+            _write_job_file(fs, job_file, base, stored)  # upgrade an absolute-path job file
         coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options)
         from dstl.state.metadata import CheckpointJobMismatchError
 
@@ -202,8 +211,9 @@ class CheckpointCoordinator:
         subtasks = [snapshot_to_subtask_state(r.subtask, r.snapshot) for r in ordered]
         files: List[List[str]] = []
         for r in ordered:
-            if r.staged:
-                files.append([r.staged, self._final_path(plan.batch, r.subtask)])
+            if r.staged:  # relative to the base path when under it: the job stays relocatable
+                files.append([relative_to(self.base_path, r.staged),
+                              relative_to(self.base_path, self._final_path(plan.batch, r.subtask))])
         props = dict(properties or {})
         props.update({"batch": plan.batch, "job_id": self.spec.job_id, "operator_id": self.spec.operator_id,
                       "tokens": [r.token for r in ordered],
@@ -255,6 +265,7 @@ class CheckpointCoordinator:
             return False
         fs.makedirs(batch_dir, exist_ok=True)
         for staged, final in out.get("files", []):
+            staged, final = resolve(self.base_path, staged), resolve(self.base_path, final)
             _, staged_p = _fs(staged)
             _, final_p = _fs(final)
             if fs.exists(staged_p):
@@ -349,14 +360,26 @@ class CheckpointCoordinator:
         return self.collect_garbage(final=True)[2]
 
 
-def _check_same(stored: JobSpec, asked: JobSpec) -> None:
+def _write_job_file(fs, job_file: str, base: str, spec: JobSpec) -> None:
+    d = asdict(spec)
+    if d.get("output_path"):
+        d["output_path"] = relative_to(base, d["output_path"])
+    with fs.open(job_file, "wb") as f:
+        f.write(json.dumps(d, indent=1, sort_keys=True).encode())
+
+
+def _same_place(base: str, a: str, b: str) -> bool:
+    return relative_to(base, a).rstrip("/") == relative_to(base, b).rstrip("/")
+
+
+def _check_same(stored: JobSpec, asked: JobSpec, base: str) -> None:
     if asked.operator_id != stored.operator_id:
         raise JobConflictError(f"base path holds job {stored.job_id} of operator {stored.operator_id!r}, "
                                f"not {asked.operator_id!r}")
     if asked.max_parallelism and asked.max_parallelism != stored.max_parallelism:
         raise JobConflictError(f"job {stored.job_id} was started with max parallelism {stored.max_parallelism}; "
                                f"it cannot change (asked for {asked.max_parallelism})")
-    if asked.output_path and stored.output_path and asked.output_path.rstrip("/") != stored.output_path.rstrip("/"):
+    if asked.output_path and stored.output_path and not _same_place(base, asked.output_path, stored.output_path):
         raise JobConflictError(f"job {stored.job_id} writes its output to {stored.output_path}, "
                                f"not {asked.output_path}")
     for k, v in asked.params.items():
