@@ -10,56 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, StateReadError, change_rows, key_group_ranges,
-                               new_entries, open_checkpoint, restored_range, state_rows)
+from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, StateReadError, change_rows, first_look,
+                               key_group_ranges, new_entries, open_checkpoint, restored_range, state_rows)
 from dstl.types import KeyGroupRange
 
 __all__ = ["read_state", "read_changes"]
 
 _ROWS_PER_CHUNK = 50_000
 _SPARK_KEY_TYPES = {int: "long", str: "string", bytes: "binary"}
-
-
-def _first_look(meta, storage_options=None):
-    """(state name -> kind, Python type of the keys or None) from the first change set of each handle."""
-    from dstl.handles import ChangelogStateHandleStreamImpl
-    from dstl.state import changes as C
-    from dstl.state.reader import _storage
-    from dstl.state.serializers import unpackb
-
-    names: Dict[str, str] = {}
-    key_type = None
-    storage = _storage("memory://unused", None, storage_options)
-    try:
-        reader = storage.create_reader()
-        for s in meta.subtasks:
-            for hd in s.materialized + s.changelog:
-                pairs = hd.handles_and_offsets
-                if not pairs:
-                    continue
-                one = ChangelogStateHandleStreamImpl(pairs[:1], hd.key_group_range, 0)
-                it = reader.get_changes_arrays(one)
-                try:
-                    for buf, kgs, offs, lens in it:
-                        view = buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
-                        for kg, o, ln in zip(kgs.tolist(), offs.tolist(), lens.tolist()):
-                            op = view[o]
-                            body = unpackb(view[o + 1:o + ln])
-                            if op == C.METADATA:
-                                m = C.decode_meta(body)
-                                names[m.name] = m.kind
-                            elif key_type is None and op == C.KEY_GROUP_SNAPSHOT:
-                                for _, entries in body:
-                                    for k in entries:
-                                        key_type = type(k)
-                                        break
-                            elif key_type is None:
-                                key_type = type(body[1])
-                finally:
-                    it.close()
-    finally:
-        storage.close()
-    return names, key_type
 
 
 def _key_ddl(key_type) -> str:
@@ -85,7 +43,7 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     from dstl.spark.keyed import ensure_importable_on_workers
 
     meta = open_checkpoint(base_path, checkpoint_id)
-    names, key_type = _first_look(meta, storage_options)
+    names, key_type = first_look(meta, storage_options)
     if state_name is not None and state_name not in names:
         names.update(_all_state_names(spark, base_path, meta, serializers, storage_options))
         if state_name not in names:
@@ -157,7 +115,7 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
     work = [(cid, hb, entries) for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint)
             for _, _, hb, entries in per_subtask]
     meta = open_checkpoint(base_path, to_checkpoint)
-    _, key_type = _first_look(meta, storage_options)
+    _, key_type = first_look(meta, storage_options)
     ensure_importable_on_workers(spark)
     schema = _schema(key_type, CHANGE_COLUMNS)
     if not work:

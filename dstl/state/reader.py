@@ -30,7 +30,7 @@ from dstl.types import KeyGroupRange
 
 __all__ = ["StateReadError", "open_checkpoint", "restored_range", "state_rows", "read_state_pandas",
            "change_rows", "read_changes_pandas", "new_entries", "key_group_ranges", "to_json",
-           "STATE_COLUMNS", "CHANGE_COLUMNS", "state_names"]
+           "STATE_COLUMNS", "CHANGE_COLUMNS", "state_names", "first_look"]
 
 STATE_COLUMNS = ["key", "key_group", "state", "kind", "user_key", "position", "value"]
 CHANGE_COLUMNS = ["checkpoint_id", "key", "key_group", "state", "op", "user_key", "value"]
@@ -158,6 +158,48 @@ class restored_range:
             self._backend.close()
         finally:
             self._storage.close()
+
+
+def first_look(meta, storage_options=None):
+    """(state name -> kind, Python type of the keys or None), from the first change set of each of the
+    checkpoint's handles only (states registered later in a log are not seen)."""
+    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.state import changes as C
+    from dstl.state.serializers import unpackb
+
+    names: Dict[str, str] = {}
+    key_type = None
+    storage = _storage("memory://unused", None, storage_options)
+    try:
+        reader = storage.create_reader()
+        for s in meta.subtasks:
+            for hd in s.materialized + s.changelog:
+                pairs = hd.handles_and_offsets
+                if not pairs:
+                    continue
+                one = ChangelogStateHandleStreamImpl(pairs[:1], hd.key_group_range, 0)
+                it = reader.get_changes_arrays(one)
+                try:
+                    for buf, kgs, offs, lens in it:
+                        view = buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
+                        for kg, o, ln in zip(kgs.tolist(), offs.tolist(), lens.tolist()):
+                            op = view[o]
+                            body = unpackb(view[o + 1:o + ln])
+                            if op == C.METADATA:
+                                m = C.decode_meta(body)
+                                names[m.name] = m.kind
+                            elif key_type is None and op == C.KEY_GROUP_SNAPSHOT:
+                                for _, entries in body:
+                                    for k in entries:
+                                        key_type = type(k)
+                                        break
+                            elif key_type is None:
+                                key_type = type(body[1])
+                finally:
+                    it.close()
+    finally:
+        storage.close()
+    return names, key_type
 
 
 # ------------------------------------------------------------------ live values
