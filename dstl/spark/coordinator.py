@@ -111,16 +111,19 @@ class CheckpointCoordinator:
         self._suspects: Set[str] = set()
         self._known_files: Dict[str, int] = {}
         self.recovered_output = False
+        self.rolled_back = None  # RollbackResult when opened with resume_from
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
     def open(cls, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, resume: bool,
              retain: int = 2, backend_options: Optional[Dict[str, Any]] = None,
-             durable: bool = True) -> "CheckpointCoordinator":
+             durable: bool = True, resume_from: Optional[int] = None) -> "CheckpointCoordinator":
         """Start a new job (`resume=False`: the base path must not hold one) or resume the one there.
 
         On resume the stored spec wins for the job id; operator, max parallelism, output and params
         must match what the caller passes (`spec.max_parallelism` 0 = take the stored one).
+        `resume_from`: roll back to this retained checkpoint first (dstl.spark.rollback): later
+        checkpoints are abandoned and their committed output moves under `<output>/_rolled_back/`.
         """
         from dstl.state.metadata import latest_checkpoint, list_checkpoints
 
@@ -138,6 +141,8 @@ class CheckpointCoordinator:
             stored_raw = stored.output_path
             if stored.output_path:
                 stored.output_path = resolve(base, stored.output_path)
+        if resume_from is not None and not resume:
+            raise JobConflictError("resume_from (--from-checkpoint) needs resume (--resume)")
         if not resume:
             if stored is not None:
                 raise JobConflictError(f"base path {base} already holds job {stored.job_id} "
@@ -155,7 +160,17 @@ class CheckpointCoordinator:
         if stored_raw and stored.output_path and relative_to(base, stored.output_path) != stored_raw:
             _write_job_file(fs, job_file, base, stored)  # upgrade an absolute-path job file
         coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options)
+        from dstl.spark.rollback import finish_roll_back, roll_back
         from dstl.state.metadata import CheckpointJobMismatchError
+        from dstl.state.reader import StateReadError
+
+        finish_roll_back(base)  # one that a crash interrupted
+        if resume_from is not None:
+            out = relative_to(base, stored.output_path) if stored.output_path else None
+            try:
+                coord.rolled_back = roll_back(base, resume_from, out)
+            except StateReadError as exc:
+                raise JobConflictError(str(exc)) from None
 
         try:
             coord.latest = latest_checkpoint(base, job_id=stored.job_id)
