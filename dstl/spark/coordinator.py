@@ -1,6 +1,7 @@
 """CheckpointCoordinator: the driver side of exactly-once micro-batches.
 
-One micro-batch is one checkpoint (id = batch + 1). For each batch:
+One micro-batch is one checkpoint (id = batch + 1, or the latest checkpoint's id + 1 after an offline
+`dstl state rescale` added one). For each batch:
 
 1. `plan()` tells the tasks which checkpoint to write and which completed one to continue from
    (with the attempt token each subtask's snapshot came from, so a worker's cache can tell whether
@@ -177,6 +178,14 @@ class CheckpointCoordinator:
         except CheckpointJobMismatchError as exc:
             raise JobConflictError(str(exc)) from None
         if coord.latest is not None:
+            if coord.latest.max_parallelism != stored.max_parallelism \
+                    and coord.latest.properties.get("rescaled_from") is not None \
+                    and not spec.max_parallelism:
+                # an offline max-parallelism change; a crash may have kept it from the job file
+                from dstl.state.rescale import update_job_file
+
+                update_job_file(base, coord.latest.max_parallelism)
+                stored.max_parallelism = coord.latest.max_parallelism
             if coord.latest.max_parallelism != stored.max_parallelism:
                 raise JobConflictError(f"checkpoint {coord.latest.checkpoint_id} has max parallelism "
                                        f"{coord.latest.max_parallelism}, the job file says {stored.max_parallelism}")
@@ -203,7 +212,8 @@ class CheckpointCoordinator:
             tokens = tuple(latest.properties["tokens"])
         return CheckpointPlan(
             job_id=self.spec.job_id, operator_id=self.spec.operator_id, base_path=self.base_path,
-            storage_options=self.storage_options, checkpoint_id=batch + 1, batch=batch,
+            storage_options=self.storage_options,
+            checkpoint_id=batch + 1 if latest is None else max(batch + 1, latest.checkpoint_id + 1), batch=batch,
             parallelism=parallelism, max_parallelism=self.spec.max_parallelism,
             output_path=self.spec.output_path,
             restore_checkpoint_id=None if latest is None else latest.checkpoint_id,
