@@ -13,7 +13,7 @@ COMMANDS = {
     "gc": ("dstl.tools.gc", "delete changelog files no retained checkpoint references"),
     "demo": ("dstl.tools.demo", "run the demo job"),
     "state": ("dstl.tools.state_cli", "a job's checkpoints, state and changes; offline max-parallelism change"),
-    "pipeline": ("dstl.spark.pipeline", "run the stateful PySpark pipeline"),
+    "pipeline": ("dstl.app.pipeline", "run the stateful PySpark pipeline"),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 from dstl.keygroups import assign_to_key_group, key_group_ranges
 from dstl.state import CheckpointMetadata, KeyedStateBackend, SubtaskState, write_checkpoint
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 
 JOB = "5eed5eed5eed5eed5eed5eed5eed5eed"
 MAXP = 128

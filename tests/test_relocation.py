@@ -11,7 +11,7 @@ import shutil
 import msgpack
 import pytest
 
-from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
 from dstl.state.metadata import (MAGIC, CheckpointMetadata, SubtaskState, base_of_metadata_file,
                                  list_checkpoints, read_checkpoint, write_checkpoint)
 from dstl.state.relpaths import is_relative, relative_to, resolve
@@ -77,7 +77,7 @@ def test_version_1_metadata_still_reads(tmp_path):
 # ------------------------------------------------------------------ the pipeline, relocated
 
 def _run(spark, *argv):
-    from dstl.spark import pipeline
+    from dstl.app import pipeline
 
     p = argparse.ArgumentParser()
     pipeline.add_arguments(p)

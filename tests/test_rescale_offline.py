@@ -59,7 +59,7 @@ def test_cli_rescale(tmp_path, capsys):
 @pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
                     reason="heavy; test_rescale_128_256_64_keeps_every_value covers the logic under both")
 def test_pipeline_continues_after_128_256_64(spark, tmp_path):
-    from dstl.spark import pipeline
+    from dstl.app import pipeline
 
     base = str(tmp_path / "job")
     small = ["--events", "3000", "--batches", "4", "--users", "150", "--items", "30", "--materialize-every", "700",

@@ -19,7 +19,7 @@ SMALL = ["--events", "3000", "--batches", "8", "--users", "150", "--items", "30"
 
 
 def _run(spark, *argv):
-    from dstl.spark import pipeline
+    from dstl.app import pipeline
 
     p = argparse.ArgumentParser()
     pipeline.add_arguments(p)

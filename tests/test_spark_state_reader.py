@@ -44,8 +44,8 @@ def test_read_state_and_changes_match_the_ops_applied(spark, tmp_path):
 def test_read_state_of_a_rescaled_pipeline_equals_pandas(spark, tmp_path):
     """The demo pipeline through a task failure and a rescale 2 -> 3; read_state then equals the
     pandas reference of every user's count, distinct items and last items."""
-    from dstl.spark import pipeline
-    from dstl.spark.activity import reference
+    from dstl.app import pipeline
+    from dstl.app.activity import reference
 
     base = str(tmp_path / "job")
     small = ["--events", "3000", "--batches", "4", "--users", "150", "--items", "30", "--materialize-every", "700",

@@ -118,7 +118,7 @@ def key_group_ranges(max_parallelism: int, parts: int) -> List[KeyGroupRange]:
 
 
 def _storage(base_path: str, job_id: Optional[str], storage_options: Optional[Dict[str, Any]]):
-    from dstl.storage import FsStateChangelogStorage
+    from dstl.changelog.storage import FsStateChangelogStorage
 
     opts = dict(storage_options or {})
     opts.setdefault("dstl.dfs.base-path", base_path)
@@ -163,7 +163,7 @@ class restored_range:
 def first_look(meta, storage_options=None):
     """(state name -> kind, Python type of the keys or None), from the first change set of each of the
     checkpoint's handles only (states registered later in a log are not seen)."""
-    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl
     from dstl.state import changes as C
     from dstl.state.serializers import unpackb
 
@@ -324,7 +324,7 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
                 storage_options=None, serializers=None) -> Iterator[Tuple]:
     """CHANGE_COLUMNS tuples of the change sets `entries` [(file, size, offset)] of one changelog
     handle (its earlier change sets are read only for the state definitions they hold)."""
-    from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
     from dstl.state import changes as C
     from dstl.state.serializers import get_serializer, unpackb
 

@@ -28,7 +28,7 @@ def _protocol(fs) -> str:
 
 
 def _is_local(fs) -> bool:
-    from dstl.handles import is_local_filesystem
+    from dstl.changelog.handles import is_local_filesystem
 
     return is_local_filesystem(fs)
 
@@ -67,7 +67,7 @@ def resolve(base_path: str, path: str) -> str:
 
 def map_handle_paths(handle: Any, fn: Callable[[str], str]) -> Any:
     """A copy of a `ChangelogStateHandleStreamImpl` with every file path passed through `fn`."""
-    from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
 
     cache = {}
     pairs = []
