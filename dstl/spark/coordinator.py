@@ -283,6 +283,8 @@ class CheckpointCoordinator:
             return False
         out = meta.properties.get("output") or {}
         batch = int(out.get("batch", meta.properties["batch"]))
+        if batch < 0:  # a bootstrapped first checkpoint: no batch, no output
+            return False
         fs, root = _fs(self.spec.output_path)
         batch_dir = _join(root, f"batch-{batch:06d}")
         marker = _join(batch_dir, "_SUCCESS")
