@@ -24,7 +24,7 @@ _EXPORTS: Dict[str, str] = {
     "JobConflictError": "dstl.spark.coordinator",
     "StatefulJob": "dstl.spark.job", "BatchResult": "dstl.spark.job",
     "read_state": "dstl.spark.state_reader", "read_changes": "dstl.spark.state_reader",
-    "bootstrap_state": "dstl.spark.bootstrap",
+    "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
 }
 __all__ = sorted(_EXPORTS)
 

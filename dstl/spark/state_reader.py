@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, StateReadError, change_rows, first_look,
-                               key_group_ranges, new_entries, open_checkpoint, restored_range, state_rows)
+from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, TIMER_STATE, StateReadError, change_rows,
+                               expand_values, first_look, key_group_ranges, new_entries, open_checkpoint,
+                               restored_range, state_rows, state_schema, to_json)
 from dstl.types import KeyGroupRange
 
-__all__ = ["read_state", "read_changes"]
+__all__ = ["read_state", "read_changes", "read_timers"]
 
 _ROWS_PER_CHUNK = 50_000
 _SPARK_KEY_TYPES = {int: "long", str: "string", bytes: "binary"}
@@ -33,11 +34,13 @@ def _schema(key_type, columns: List[str]) -> str:
 
 def read_state(spark, base_path: str, state_name: Optional[str] = None, *, checkpoint_id: Optional[int] = None,
                tasks: Optional[int] = None, serializers: Optional[Dict[str, Any]] = None,
-               storage_options: Optional[Dict[str, Any]] = None):
+               storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None):
     """The live state of a checkpoint (default: the latest) as a Spark DataFrame, one row per live
     value: key, key_group, state, kind, user_key (map state, JSON), position (list state), value
-    (JSON). `tasks`: key-group ranges read in parallel (default: the larger of the checkpoint's
-    parallelism and Spark's default parallelism)."""
+    (JSON). For one state whose schema the job recorded, the value's fields are columns instead of
+    `value`. Expired TTL values (at `now_ms`, default now) are left out. `tasks`: key-group ranges
+    read in parallel (default: the larger of the checkpoint's parallelism and Spark's default
+    parallelism)."""
     import pandas as pd
 
     from dstl.spark.keyed import ensure_importable_on_workers
@@ -54,25 +57,57 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     ranges = key_group_ranges(meta.max_parallelism, n)
     ensure_importable_on_workers(spark)
     cid = meta.checkpoint_id
+    declared = state_schema(meta, state_name)
+    ddl = _schema(key_type, STATE_COLUMNS)
+    if declared is not None:
+        from pyspark.sql.types import StructType
+
+        fields = StructType.fromJson(meta.properties["state_schemas"][state_name]["value"])
+        ddl = _schema(key_type, STATE_COLUMNS[:-1]) + ", " + ", ".join(
+            f"`{f.name}` {f.dataType.simpleString()}" for f in fields.fields)
+    now = now_ms
+
+    def frame(rows):
+        df = pd.DataFrame(rows, columns=STATE_COLUMNS)
+        return expand_values(df, *state_schema(m_holder[0], state_name)) if declared is not None else df
+
+    m_holder: List[Any] = []
 
     def task(batches):  # pragma: no cover - runs in the Python worker
         from dstl.state.reader import open_checkpoint as _open
 
-        m = _open(base_path, cid)
+        m_holder[:] = [_open(base_path, cid)]
+        enc = None if declared is not None else to_json
         for pdf in batches:
             for i in pdf["id"].tolist():
-                with restored_range(base_path, m, ranges[i], serializers=serializers,
+                with restored_range(base_path, m_holder[0], ranges[i], serializers=serializers,
                                     storage_options=storage_options) as backend:
                     rows = []
-                    for r in state_rows(backend, state_name):
+                    for r in state_rows(backend, state_name, now_ms=now, encode=enc):
                         rows.append(r)
                         if len(rows) >= _ROWS_PER_CHUNK:
-                            yield pd.DataFrame(rows, columns=STATE_COLUMNS)
+                            yield frame(rows)
                             rows = []
                     if rows:
-                        yield pd.DataFrame(rows, columns=STATE_COLUMNS)
+                        yield frame(rows)
 
-    return spark.range(0, len(ranges), 1, len(ranges)).mapInPandas(task, _schema(key_type, STATE_COLUMNS))
+    return spark.range(0, len(ranges), 1, len(ranges)).mapInPandas(task, ddl)
+
+
+def read_timers(spark, base_path: str, *, checkpoint_id: Optional[int] = None, tasks: Optional[int] = None,
+                storage_options: Optional[Dict[str, Any]] = None):
+    """The registered timers of a checkpoint as a Spark DataFrame: key, key_group, timestamp_ms."""
+    from pyspark.sql import functions as F
+
+    meta = open_checkpoint(base_path, checkpoint_id)
+    names, key_type = first_look(meta, storage_options)
+    if TIMER_STATE not in names:
+        names.update(_all_state_names(spark, base_path, meta, None, storage_options))
+    if TIMER_STATE not in names:
+        return spark.createDataFrame([], _schema(key_type, ["key", "key_group"]) + ", timestamp_ms long")
+    df = read_state(spark, base_path, TIMER_STATE, checkpoint_id=meta.checkpoint_id, tasks=tasks,
+                    storage_options=storage_options)
+    return df.select("key", "key_group", F.col("user_key").cast("long").alias("timestamp_ms"))
 
 
 def _all_state_names(spark, base_path, meta, serializers, storage_options) -> Dict[str, str]:

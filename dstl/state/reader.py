@@ -30,7 +30,8 @@ from dstl.types import KeyGroupRange
 
 __all__ = ["StateReadError", "open_checkpoint", "restored_range", "state_rows", "read_state_pandas",
            "change_rows", "read_changes_pandas", "new_entries", "key_group_ranges", "to_json",
-           "STATE_COLUMNS", "CHANGE_COLUMNS", "state_names", "first_look"]
+           "STATE_COLUMNS", "CHANGE_COLUMNS", "state_names", "first_look", "read_timers_pandas",
+           "state_schema", "expand_values", "TIMER_STATE"]
 
 STATE_COLUMNS = ["key", "key_group", "state", "kind", "user_key", "position", "value"]
 CHANGE_COLUMNS = ["checkpoint_id", "key", "key_group", "state", "op", "user_key", "value"]
@@ -204,11 +205,33 @@ def first_look(meta, storage_options=None):
 
 # ------------------------------------------------------------------ live values
 
-def state_rows(backend, state_name: Optional[str] = None) -> Iterator[Tuple]:
-    """One tuple per live value (STATE_COLUMNS order) of a restored backend, in key-group order."""
+#: states whose names start with this are dstl's own (timers); read_state lists them only by name
+RESERVED_PREFIX = "_dstl_"
+TIMER_STATE = "_dstl_timers"  # dstl.state.timers keeps every key's timers in this map state
+_TTL_OPTION = "ttl"           # dstl.state.ttl: values stored as [value, expires_at_ms]
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+def state_rows(backend, state_name: Optional[str] = None, *, now_ms: Optional[int] = None,
+               encode=to_json) -> Iterator[Tuple]:
+    """One tuple per live value (STATE_COLUMNS order) of a restored backend, in key-group order.
+
+    Values of a TTL state that expired at `now_ms` (default: now) are left out, the others are
+    unwrapped from their [value, expires_at_ms] pair. `encode` turns values and user keys into the
+    value column (default JSON; `None` keeps the Python objects).
+    """
+    enc = encode or (lambda v: v)
     states = {n: backend.get_state(n) for n in backend.state_names}
     if state_name is not None:
         states = {state_name: states[state_name]} if state_name in states else {}
+    else:
+        states = {n: s for n, s in states.items() if not n.startswith(RESERVED_PREFIX)}
+    now = _now_ms() if now_ms is None else int(now_ms)
     table = backend._table
     for kg in sorted(table):
         per_state = table[kg]
@@ -217,24 +240,30 @@ def state_rows(backend, state_name: Optional[str] = None) -> Iterator[Tuple]:
             if not entries:
                 continue
             kind = st.kind
-            live = _live_filter(st)
+            ttl = bool(st.meta.options.get(_TTL_OPTION))
             for key, value in entries.items():
-                if live is not None and not live(key, value):
-                    continue
                 if kind == "list":
-                    for i, el in enumerate(value):
-                        yield key, kg, name, kind, None, i, to_json(el)
+                    pos = 0
+                    for el in value:
+                        if ttl:
+                            if el[1] <= now:
+                                continue
+                            el = el[0]
+                        yield key, kg, name, kind, None, pos, enc(el)
+                        pos += 1
                 elif kind == "map":
                     for uk, v in value.items():
-                        yield key, kg, name, kind, to_json(uk), None, to_json(v)
+                        if ttl:
+                            if v[1] <= now:
+                                continue
+                            v = v[0]
+                        yield key, kg, name, kind, enc(uk), None, enc(v)
                 else:
-                    yield key, kg, name, kind, None, None, to_json(value)
-
-
-def _live_filter(state):
-    """A `(key, value) -> bool` that hides expired values, or None when the state has no TTL."""
-    check = getattr(state, "is_live", None)
-    return check if callable(check) else None
+                    if ttl:
+                        if value[1] <= now:
+                            continue
+                        value = value[0]
+                    yield key, kg, name, kind, None, None, enc(value)
 
 
 def state_names(base_path: str, meta, kgr: Optional[KeyGroupRange] = None, **kw) -> Dict[str, str]:
@@ -250,32 +279,93 @@ def _check_state(state_name: Optional[str], names: Dict[str, str], base_path: st
         raise StateReadError(f"checkpoint {cid} at {base_path} has no state {state_name!r} (states: {known})")
 
 
+def state_schema(meta, state_name: Optional[str]):
+    """(field names, decode) of a state's declared value schema recorded with the checkpoint (the
+    `state_schemas` property StatefulStream writes), or None when it is not known."""
+    if state_name is None:
+        return None
+    rec = (meta.properties.get("state_schemas") or {}).get(state_name)
+    if not isinstance(rec, dict) or not isinstance(rec.get("value"), dict):
+        return None
+    names = [f["name"] for f in rec["value"].get("fields", [])]
+    if not names:
+        return None
+    try:
+        from dstl.state.schema import ValueSchema
+
+        decode = ValueSchema(rec["value"]).decode
+    except ImportError:  # pragma: no cover - the schema module ships with StatefulStream
+        def decode(stored):
+            return tuple(stored)
+    return names, decode
+
+
 def read_state_pandas(base_path: str, state_name: Optional[str] = None, *, checkpoint_id: Optional[int] = None,
                       key: Any = None, serializers: Optional[Dict[str, Any]] = None,
-                      storage_options: Optional[Dict[str, Any]] = None):
+                      storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None):
     """The live state of a checkpoint (default: the latest) as a pandas DataFrame, one row per live
     value (see the module docstring for the columns). `key`: only this key (restores its key group
-    only)."""
+    only). For one state whose schema the job recorded, the value's fields are columns instead of
+    `value`. `now_ms`: the time TTL expiry is judged at (default: now)."""
     import pandas as pd
-
-    from dstl.keygroups import assign_to_key_group
 
     meta = open_checkpoint(base_path, checkpoint_id)
     kw = {"serializers": serializers, "storage_options": storage_options}
-    if key is not None:
-        kg = assign_to_key_group(key, meta.max_parallelism)
-        ranges = [KeyGroupRange(kg, kg)]
-    else:
-        ranges = [s.key_group_range for s in meta.subtasks if not s.key_group_range.is_empty()]
+    ranges = _ranges_for(meta, key)
+    schema = state_schema(meta, state_name)
     rows: List[Tuple] = []
     names: Dict[str, str] = {}
     for rng in ranges:
         with restored_range(base_path, meta, rng, **kw) as backend:
             names.update({n: backend.get_state(n).kind for n in backend.state_names})
-            rows.extend(r for r in state_rows(backend, state_name) if key is None or r[0] == key)
+            rows.extend(r for r in state_rows(backend, state_name, now_ms=now_ms,
+                                              encode=None if schema else to_json)
+                        if key is None or r[0] == key)
     _check_state(state_name, names, base_path, meta.checkpoint_id)
     df = pd.DataFrame(rows, columns=STATE_COLUMNS)
-    return df.astype({"key_group": "int64", "position": "Int64"})
+    df = df.astype({"key_group": "int64", "position": "Int64"})
+    if schema is not None:
+        df = expand_values(df, *schema)
+    return df
+
+
+def expand_values(df, names: List[str], decode):
+    """`df` with its `value` column (stored lists of a declared schema) replaced by one column per
+    field; user keys become JSON."""
+    import pandas as pd
+
+    values = [decode(v) for v in df["value"]]
+    out = df.drop(columns=["value"])
+    out["user_key"] = [None if u is None else to_json(u) for u in out["user_key"]]
+    cols = pd.DataFrame(values, columns=names, index=df.index) if values else pd.DataFrame(columns=names)
+    return pd.concat([out, cols], axis=1)
+
+
+def read_timers_pandas(base_path: str, *, checkpoint_id: Optional[int] = None, key: Any = None, **kw):
+    """The registered timers of a checkpoint: columns key, key_group, timestamp_ms (one row each)."""
+    import pandas as pd
+
+    meta = open_checkpoint(base_path, checkpoint_id)
+    ranges = _ranges_for(meta, key)
+    rows = []
+    for rng in ranges:
+        with restored_range(base_path, meta, rng, serializers=kw.get("serializers"),
+                            storage_options=kw.get("storage_options")) as backend:
+            if TIMER_STATE in backend.state_names:
+                rows.extend((r[0], r[1], r[4]) for r in state_rows(backend, TIMER_STATE, encode=None)
+                            if key is None or r[0] == key)
+    return pd.DataFrame(sorted(rows, key=lambda r: (r[2], repr(r[0]))),
+                        columns=["key", "key_group", "timestamp_ms"]).astype({"key_group": "int64",
+                                                                              "timestamp_ms": "int64"})
+
+
+def _ranges_for(meta, key: Any) -> List[KeyGroupRange]:
+    from dstl.keygroups import assign_to_key_group
+
+    if key is not None:
+        kg = assign_to_key_group(key, meta.max_parallelism)
+        return [KeyGroupRange(kg, kg)]
+    return [s.key_group_range for s in meta.subtasks if not s.key_group_range.is_empty()]
 
 
 # ------------------------------------------------------------------ changes between checkpoints
@@ -346,24 +436,26 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
                         op = view[o]
                         if op == C.METADATA:
                             m = C.decode_meta(unpackb(view[o + 1:o + ln]))
-                            states[m.state_id] = (m.name, m.kind, get_serializer(m.serializer_id, serializers or {}))
+                            states[m.state_id] = (m.name, m.kind, get_serializer(m.serializer_id, serializers or {}),
+                                                  bool(m.options.get(_TTL_OPTION)))
                             continue
                         if not new or op == C.KEY_GROUP_SNAPSHOT or not kgr.contains(kg):
                             continue
                         body = unpackb(view[o + 1:o + ln])
-                        name, kind, ser = states[body[0]]
-                        yield _change_row(checkpoint_id, kg, op, kind, name, ser, body)
+                        name, kind, ser, ttl = states[body[0]]
+                        yield _change_row(checkpoint_id, kg, op, kind, name, ser, body, ttl)
             finally:
                 it.close()
     finally:
         storage.close()
 
 
-def _change_row(cid: int, kg: int, op: int, kind: str, name: str, ser, body) -> Tuple:
+def _change_row(cid: int, kg: int, op: int, kind: str, name: str, ser, body, ttl: bool = False) -> Tuple:
     native = bool(getattr(ser, "native", False))
 
     def val(w):
-        return w if native else ser.loads(w)
+        v = w if native else ser.loads(w)
+        return v[0] if ttl and isinstance(v, (list, tuple)) and len(v) == 2 else v  # [value, expires_at_ms]
 
     key = body[1]
     name_of_op = _OPS.get(op, str(op))
