@@ -67,13 +67,21 @@ def _clean(v: Any) -> Any:
     return v
 
 
+_ENCODER = json.JSONEncoder(default=_json_default, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_LENIENT = json.JSONEncoder(default=_json_default, separators=(",", ":"), ensure_ascii=False)
+
+
 def to_json(v: Any) -> str:
     """Compact JSON of a state value (bytes as {"$bytes": base64})."""
+    t = type(v)
+    if t is int:  # the common scalars without the encoder's machinery
+        return str(v)
+    if t is bytes:
+        return '{"$bytes":"' + base64.b64encode(v).decode("ascii") + '"}'
     try:
-        return json.dumps(v, default=_json_default, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
+        return _ENCODER.encode(v)
     except (TypeError, ValueError):
-        return json.dumps(_clean(v), default=_json_default, separators=(",", ":"), ensure_ascii=False)
+        return _LENIENT.encode(_clean(v))
 
 
 # ------------------------------------------------------------------ checkpoints and ranges
