@@ -129,7 +129,6 @@ def checkpoint_summary(base_path: str, meta) -> Dict[str, Any]:
         "states": dict(sorted(states.items())), "live_keys": live_keys,
         "bytes": sum(mat.values()) + sum(v for k, v in log.items() if k not in mat),
         "materialized_bytes": sum(mat.values()), "log_bytes": sum(log.values()),
-        "abandoned": bool(meta.properties.get("abandoned")),
     }
 
 
