@@ -49,7 +49,7 @@ def test_metadata_stores_relative_paths_and_resolves_them_where_it_is_read(tmp_p
     with open(path, "rb") as f:
         raw = msgpack.unpackb(f.read()[len(MAGIC):-4], raw=False)
     stored = ChangelogStateHandleStreamImpl.from_bytes(raw["subtasks"][0]["changelog"][0]).files()
-    assert raw["v"] == 2 and stored == [f"{JOB}/dstl/a", "s3://elsewhere/f"]
+    assert raw["v"] == 1 and stored == [f"{JOB}/dstl/a", "s3://elsewhere/f"]
     assert read_checkpoint(str(old), 1) == meta
     shutil.copytree(old, new)
     moved = read_checkpoint(str(new), 1)
@@ -59,11 +59,10 @@ def test_metadata_stores_relative_paths_and_resolves_them_where_it_is_read(tmp_p
         assert CheckpointMetadata.from_bytes(f.read()).files() == set(stored)
 
 
-def test_version_1_metadata_still_reads(tmp_path):
+def test_absolute_path_metadata_still_reads(tmp_path):
     base = str(tmp_path)
     meta = _meta(base)
-    d = meta.to_dict()  # absolute paths, as version 1 stored them
-    d["v"] = 1
+    d = meta.to_dict()  # absolute paths, as metadata was written before
     body = msgpack.packb(d, use_bin_type=True)
     import struct
     import zlib
@@ -110,10 +109,9 @@ def test_absolute_path_job_is_upgraded_by_a_resume(spark, tmp_path):
 
     base = tmp_path / "job"
     _run(spark, *SMALL, "--base-path", str(base), "--stop-at", "1")
-    for cid in list_checkpoints(str(base)):  # rewrite as version 1: absolute paths
+    for cid in list_checkpoints(str(base)):  # rewrite with absolute paths, as before
         meta = read_checkpoint(str(base), cid)
         d = meta.to_dict()
-        d["v"] = 1
         d["properties"]["output"]["files"] = [[resolve(str(base), a), resolve(str(base), b)]
                                               for a, b in d["properties"]["output"]["files"]]
         body = msgpack.packb(d, use_bin_type=True)
@@ -128,7 +126,6 @@ def test_absolute_path_job_is_upgraded_by_a_resume(spark, tmp_path):
     assert json.loads(job_file.read_text())["output_path"] == "output"
     with open(base / "checkpoints" / f"chk-{list_checkpoints(str(base))[-1]}" / "_metadata", "rb") as f:
         raw = msgpack.unpackb(f.read()[len(MAGIC):-4], raw=False)
-    assert raw["v"] == 2
     stored = {p for s in raw["subtasks"] for b in s["materialized"] + s["changelog"]
               for p in ChangelogStateHandleStreamImpl.from_bytes(b).files()}
     assert stored and all(p.startswith(f"{spec['job_id']}/dstl/") for p in stored)

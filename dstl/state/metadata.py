@@ -8,8 +8,8 @@ with `ChangelogStateHandleStreamImpl.to_bytes`, operator state handles (small, i
 
 Relocatable: `write_checkpoint` stores every file under the base path relative to it
 (dstl.state.relpaths) and `read_checkpoint` resolves them against the base path it reads from, so a
-copied or moved base path restores from its new place. Version-1 metadata (absolute paths) still
-reads; the next checkpoint a resumed job writes is version 2.
+copied or moved base path restores from its new place. Metadata written with absolute paths still
+reads; the next checkpoint a resumed job writes stores them relative.
 """
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 MAGIC = b"\x89DSTLCK1"  # 8 bytes; the high first byte keeps text tools from mistaking it for text
 METADATA_FILE = "_metadata"
 CHECKPOINTS_DIR = "checkpoints"
-_FORMAT_VERSION = 2  # 2: files under the base path are stored relative to it (1: absolute paths)
-_READABLE_VERSIONS = (1, 2)
+# Version 1 throughout: a stored path without a scheme and without a leading "/" is relative to the
+# base path (dstl.state.relpaths), so metadata with absolute paths (as written before) reads unchanged.
+_FORMAT_VERSION = 1
+_READABLE_VERSIONS = (1,)
 _CHK_RE = re.compile(r"^chk-(\d+)$")
 
 __all__ = [
