@@ -11,7 +11,7 @@ import pytest
 
 from dstl import cli
 from dstl.keygroups import assign_to_key_group
-from dstl.state import read_state_pandas
+from dstl.state import read_state_pandas, read_timers_pandas
 from dstl.state.metadata import latest_checkpoint
 from dstl.state.rescale import rescale_checkpoint
 from state_job import StateJob, frame_rows
@@ -21,10 +21,16 @@ def test_rescale_128_256_64_keeps_every_value(tmp_path):
     job = StateJob(str(tmp_path / "job"))
     try:
         for i in range(3):
+            if i == 2:  # timers are keyed state (dstl.state.timers: the _dstl_timers map state)
+                for n, key in enumerate(("u1", "u2", "u9")):
+                    job._b(key).map_state("_dstl_timers").put(key, 1000 + n, 1)
+                job._b("u2").map_state("_dstl_timers").remove("u2", 1001)   # a deletion survives too
             job.step(materialize=(i == 1))
     finally:
         job.close()
     expected = job.expected_rows()
+    timers = [("u1", 1000), ("u9", 1002)]
+    assert list(zip(*[read_timers_pandas(job.base)[c] for c in ("key", "timestamp_ms")])) == timers
     meta = rescale_checkpoint(job.base, 256, parallelism=3)
     assert (meta.checkpoint_id, meta.max_parallelism, meta.parallelism) == (4, 256, 3)
     assert meta.properties["rescaled_from"] == 3 and meta.properties["batch"] == 2
@@ -36,6 +42,9 @@ def test_rescale_128_256_64_keeps_every_value(tmp_path):
     df = read_state_pandas(job.base)
     assert frame_rows(df) == expected
     assert all(assign_to_key_group(k, 64) == g for k, g in zip(df["key"], df["key_group"]))
+    t = read_timers_pandas(job.base)
+    assert list(zip(t.key, t.timestamp_ms)) == timers
+    assert all(assign_to_key_group(k, 64) == g for k, g in zip(t.key, t.key_group))
     with pytest.raises(ValueError, match="--parallelism must be in 1..64"):
         rescale_checkpoint(job.base, 64, parallelism=65)
 
