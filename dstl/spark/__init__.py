@@ -28,6 +28,8 @@ _EXPORTS: Dict[str, str] = {
     "StatefulStream": "dstl.spark.stream", "StreamBatchResult": "dstl.spark.stream",
     "StreamGapError": "dstl.spark.stream", "NullKeyError": "dstl.spark.stream",
     "ProcessorHandle": "dstl.spark.processor",
+    "read_state": "dstl.spark.state_reader", "read_changes": "dstl.spark.state_reader",
+    "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -19,6 +19,8 @@ _EXPORTS: Dict[str, str] = {
     "list_checkpoints": "dstl.state.metadata", "retained_files": "dstl.state.metadata",
     "TimerService": "dstl.state.timers", "ValueSchema": "dstl.state.schema", "StateSchema": "dstl.state.schema",
     "TtlValueState": "dstl.state.ttl", "TtlListState": "dstl.state.ttl", "TtlMapState": "dstl.state.ttl",
+    "read_state_pandas": "dstl.state.reader", "read_changes_pandas": "dstl.state.reader",
+    "StateReadError": "dstl.state.reader", "read_timers_pandas": "dstl.state.reader",
 }
 __all__ = sorted(_EXPORTS)
 

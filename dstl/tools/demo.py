@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic events (default 200000; 40000 with --streaming)")
     p.add_argument("--batches", type=int, default=None, help="micro-batches (default 10; 6 with --streaming)")
     p.add_argument("--master", default="local[2,4]", help="Spark master (default local[2,4])")
+    p.add_argument("--retain", type=int, default=2, help="completed checkpoints kept (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
     p = argparse.ArgumentParser(prog="dstl pipeline")
     pipeline.add_arguments(p)
     argv = ["--base-path", base, "--output", os.path.join(target, "output"), "--events", str(args.events),
-            "--batches", str(args.batches), "--master", args.master, "--verify"]
+            "--batches", str(args.batches), "--master", args.master, "--retain", str(getattr(args, "retain", 2)),
+            "--verify"]
     return pipeline.run(p.parse_args(argv))
