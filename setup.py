@@ -1,4 +1,4 @@
-"""Builds the Cython hot path in dstl/_fast (each module has a pure-Python twin in dstl/)."""
+"""Builds the Cython hot path in dstl/_fast (each `<name>.pyx` has its pure-Python twin `<name>_py.py` beside it)."""
 import glob
 import os
 

@@ -17,7 +17,7 @@ KEY_GROUPS = 128
 
 def implementations():
     """{"cython": ns, "python": ns}; each ns has ChangeBuffer and the decode functions."""
-    from dstl import _buffer_py, _decode_py
+    from dstl._fast import _buffer_py, _decode_py
 
     impls = {}
     try:

@@ -31,5 +31,5 @@ def kernels() -> Dict[str, object]:
         out["cython"] = importlib.import_module("dstl._fast._hash")
     except ImportError:
         pass
-    out["python"] = importlib.import_module("dstl._hash_py")
+    out["python"] = importlib.import_module("dstl._fast._hash_py")
     return out

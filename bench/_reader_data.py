@@ -11,8 +11,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dstl import format as fmt  # noqa: E402
-from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle  # noqa: E402
-from dstl.reader import DownloadCache, StateChangelogReader  # noqa: E402
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle  # noqa: E402
+from dstl.changelog.reader import DownloadCache, StateChangelogReader  # noqa: E402
 from dstl.types import KeyGroupRange  # noqa: E402
 
 VALUE = 100

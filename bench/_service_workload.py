@@ -23,7 +23,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 _CHILD = r"""
 import json, os, sys, time
 import numpy as np
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 base, mode, job, n, every, size, out, go, compression, payload = sys.argv[1:11]
 n, every, size = int(n), int(every), int(size)

@@ -17,8 +17,8 @@ from typing import Dict, Optional
 import numpy as np
 import pandas as pd
 
-from dstl.state.keyed import KeyedStateBackend
-from dstl.storage import open_storage
+from dstl.state.backend import KeyedStateBackend
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 MAXP = 128

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dstl.storage import open_storage  # noqa: E402
+from dstl.changelog.storage import open_storage  # noqa: E402
 from dstl.types import KeyGroupRange  # noqa: E402
 
 VALUE = 100

@@ -18,10 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dstl.config import StorageConfig  # noqa: E402
 from dstl.keygroups import assign_key_groups  # noqa: E402
-from dstl.spark.activity import MemoryState, user_activity  # noqa: E402
-from dstl.spark.source import SyntheticSource  # noqa: E402
-from dstl.state.keyed import KeyedStateBackend  # noqa: E402
-from dstl.storage import FsStateChangelogStorage  # noqa: E402
+from dstl.app.activity import user_activity  # noqa: E402
+from dstl.spark.memory import MemoryState  # noqa: E402
+from dstl.app.source import SyntheticSource  # noqa: E402
+from dstl.state.backend import KeyedStateBackend  # noqa: E402
+from dstl.changelog.storage import FsStateChangelogStorage  # noqa: E402
 from dstl.types import KeyGroupRange  # noqa: E402
 
 BATCHES = 6

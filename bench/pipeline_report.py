@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dstl.spark import pipeline  # noqa: E402
+from dstl.app import pipeline  # noqa: E402
 
 
 def _run(spark, argv):
@@ -36,7 +36,7 @@ def _run(spark, argv):
 def _job(spark, mode: str, base: str, source, parallelism: int, materialize_every: int):
     from dstl.config import StorageConfig
     from dstl.keygroups import compute_default_max_parallelism
-    from dstl.spark.activity import output_ddl, user_activity
+    from dstl.app.activity import output_ddl, user_activity
     from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
     from dstl.spark.job import StatefulJob
 
@@ -51,7 +51,7 @@ def _job(spark, mode: str, base: str, source, parallelism: int, materialize_ever
 
 
 def main(argv=None) -> int:
-    from dstl.spark.source import SyntheticSource
+    from dstl.app.source import SyntheticSource
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=5_000_000)

@@ -21,22 +21,22 @@ _EXPORTS: Dict[str, str] = {
     # format and the hot path
     "ChangeBuffer": "dstl.format",
     # handles, storage, writer, reader
-    "StreamStateHandle": "dstl.handles", "ChangelogStateHandleStreamImpl": "dstl.handles",
-    "SnapshotResult": "dstl.handles",
+    "StreamStateHandle": "dstl.changelog.handles", "ChangelogStateHandleStreamImpl": "dstl.changelog.handles",
+    "SnapshotResult": "dstl.changelog.handles",
     "StorageConfig": "dstl.config",
-    "FsStateChangelogStorage": "dstl.storage", "open_storage": "dstl.storage",
-    "FsStateChangelogWriter": "dstl.writer",
-    "StateChangelogReader": "dstl.reader",
-    "DownloadCache": "dstl.reader", "ChangelogStorageMetricGroup": "dstl.metrics",
-    "TaskChangelogRegistry": "dstl.registry", "LocalChangelogRegistry": "dstl.registry",
+    "FsStateChangelogStorage": "dstl.changelog.storage", "open_storage": "dstl.changelog.storage",
+    "FsStateChangelogWriter": "dstl.changelog.writer",
+    "StateChangelogReader": "dstl.changelog.reader",
+    "DownloadCache": "dstl.changelog.reader", "ChangelogStorageMetricGroup": "dstl.metrics",
+    "TaskChangelogRegistry": "dstl.changelog.registry", "LocalChangelogRegistry": "dstl.changelog.registry",
     # upload machinery
-    "StateChangeUploadScheduler": "dstl.upload.scheduler",
-    "BatchingStateChangeUploadScheduler": "dstl.upload.scheduler",
-    "UploadTask": "dstl.upload.task", "UploadResult": "dstl.upload.task",
-    "UploadTasksResult": "dstl.upload.task", "AvailabilityProvider": "dstl.upload.throttle",
-    "StateChangeUploader": "dstl.upload.uploader", "StateChangeFsUploader": "dstl.upload.uploader",
-    "RetryPolicy": "dstl.upload.retry", "RetryingExecutor": "dstl.upload.retry",
-    "open_service_client": "dstl.upload.service",
+    "StateChangeUploadScheduler": "dstl.changelog.upload.scheduler",
+    "BatchingStateChangeUploadScheduler": "dstl.changelog.upload.scheduler",
+    "UploadTask": "dstl.changelog.upload.task", "UploadResult": "dstl.changelog.upload.task",
+    "UploadTasksResult": "dstl.changelog.upload.task", "AvailabilityProvider": "dstl.changelog.upload.throttle",
+    "StateChangeUploader": "dstl.changelog.upload.uploader", "StateChangeFsUploader": "dstl.changelog.upload.uploader",
+    "RetryPolicy": "dstl.changelog.upload.retry", "RetryingExecutor": "dstl.changelog.upload.retry",
+    "open_service_client": "dstl.changelog.upload.service",
     # key groups and state
     "assign_to_key_group": "dstl.keygroups",
     "compute_key_group_range_for_operator_index": "dstl.keygroups",
@@ -48,13 +48,16 @@ _EXPORTS: Dict[str, str] = {
     "MapState": "dstl.state", "OperatorListState": "dstl.state", "CheckpointMetadata": "dstl.state",
 }
 
+# public subpackages, imported on first attribute access (`import dstl; dstl.format.decode_file(...)`)
+SUBPACKAGES = ("format", "keygroups", "changelog", "state", "spark", "types", "errors", "config", "metrics")
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-__getattr__ = lazy_getattr("dstl", _EXPORTS, globals())
+__getattr__ = lazy_getattr("dstl", _EXPORTS, globals(), SUBPACKAGES)
 
 
 def __dir__():
-    return __all__
+    return __all__ + list(SUBPACKAGES)
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

@@ -12,7 +12,7 @@ COMMANDS = {
     "dump": ("dstl.tools.dump", "print the changes of one change set of a changelog file"),
     "gc": ("dstl.tools.gc", "delete changelog files no retained checkpoint references"),
     "demo": ("dstl.tools.demo", "run the demo job"),
-    "pipeline": ("dstl.spark.pipeline", "run the stateful PySpark pipeline"),
+    "pipeline": ("dstl.app.pipeline", "run the stateful PySpark pipeline"),
 }
 
 

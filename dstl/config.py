@@ -1,4 +1,4 @@
-"""Storage options (OPTIONS.md): Flink's keys in both spellings, Flink's value syntax, validation."""
+"""Storage options (docs/options.md): Flink's keys in both spellings, Flink's value syntax, validation."""
 from __future__ import annotations
 
 import dataclasses
@@ -219,7 +219,7 @@ class StorageConfig:
     max_attempts: int = 3
     next_attempt_delay_ms: int = 500
     cache_idle_timeout_ms: int = 600_000
-    upload_mode: str = "process"  # the host's upload service (OPTIONS.md); "thread" keeps uploads in-process
+    upload_mode: str = "process"  # the host's upload service (docs/options.md); "thread" keeps uploads in-process
 
     def __post_init__(self) -> None:
         # Direct construction goes through the same parsers, so Flink strings work here too.

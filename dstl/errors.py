@@ -9,7 +9,7 @@ class DstlError(Exception):
 
 
 class CorruptChangelogError(DstlError, ValueError):
-    """Malformed changelog bytes (FORMAT.md §8): carries the file, the offset and the reason."""
+    """Malformed changelog bytes (docs/format.md §8): carries the file, the offset and the reason."""
 
     def __init__(self, reason: str, offset: int, file: Optional[str] = None, *, file_offset: bool = False):
         self.reason = reason
@@ -30,7 +30,7 @@ class CorruptChangelogError(DstlError, ValueError):
 
 
 class WriterClosedError(DstlError, RuntimeError):
-    """An operation on a closed writer (SEMANTICS.md §4.1, §12 row 1 and 3)."""
+    """An operation on a closed writer (docs/semantics.md §4.1, §12 row 1 and 3)."""
 
 
 class UploadServiceError(DstlError, OSError):

@@ -1,9 +1,9 @@
-"""Key groups: which key belongs where, exactly as Flink's `KeyGroupRangeAssignment` (RESCALING.md §1-§3).
+"""Key groups: which key belongs where, exactly as Flink's `KeyGroupRangeAssignment` (docs/rescaling.md §1-§3).
 
 Scalar functions take one int/str/bytes key; `assign_key_groups` takes a whole column (numpy integer
 array, pandas Series, pyarrow (Chunked)Array of integers, strings or binaries, or a list of keys) and
 hashes it without a Python loop per row when the Cython extension is built. The hashing kernels come
-from `dstl._fast._hash` or its pure-Python twin `dstl._hash_py`, chosen by `dstl._impl.IMPLEMENTATION`.
+from `dstl._fast._hash` or its pure-Python twin `dstl._fast._hash_py`, chosen by `dstl._impl.IMPLEMENTATION`.
 """
 from __future__ import annotations
 
@@ -12,13 +12,10 @@ from typing import Any, List
 
 import numpy as np
 
-from dstl._impl import IMPLEMENTATION
+from dstl._impl import kernel
 from dstl.types import KeyGroupRange
 
-if IMPLEMENTATION == "cython":
-    from dstl._fast import _hash as _kernels
-else:
-    from dstl import _hash_py as _kernels
+_kernels = kernel("_hash")
 
 __all__ = [
     "DEFAULT_LOWER_BOUND_MAX_PARALLELISM", "UPPER_BOUND_MAX_PARALLELISM",

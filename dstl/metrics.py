@@ -1,4 +1,4 @@
-"""Flink's `ChangelogStorageMetricGroup` (OPTIONS.md §4): counters, windowed histograms, gauges."""
+"""Flink's `ChangelogStorageMetricGroup` (docs/options.md §4): counters, windowed histograms, gauges."""
 from __future__ import annotations
 
 import logging

@@ -6,7 +6,7 @@ import uuid
 from typing import Iterable, Iterator, Optional, Sequence
 
 META_KEY_GROUP = -1
-MAX_KEY_GROUP = 32767  # RESCALING.md §1: max parallelism <= 32768
+MAX_KEY_GROUP = 32767  # docs/rescaling.md §1: max parallelism <= 32768
 INT64_MAX = 2**63 - 1
 
 
@@ -82,7 +82,7 @@ def as_sqn(value) -> SequenceNumber:
 
 
 class KeyGroupRange:
-    """An inclusive range of key groups `[start, end]`; empty when start > end (RESCALING.md §1)."""
+    """An inclusive range of key groups `[start, end]`; empty when start > end (docs/rescaling.md §1)."""
 
     __slots__ = ("_start", "_end")
 
@@ -242,7 +242,7 @@ class StateChangeSet:
 
 
 def java_uuid_sort_key(u: uuid.UUID):
-    """Java's `UUID.compareTo`: both 64-bit halves compared as signed (FORMAT.md §5.2)."""
+    """Java's `UUID.compareTo`: both 64-bit halves compared as signed (docs/format.md §5.2)."""
     def signed(x: int) -> int:
         return x - (1 << 64) if x >= (1 << 63) else x
 
@@ -256,10 +256,10 @@ __all__: Sequence[str] = [
 
 
 class SealedChangeSet:
-    """A change set already encoded by the change buffer (FORMAT.md §4): what uploads carry.
+    """A change set already encoded by the change buffer (docs/format.md §4): what uploads carry.
 
     `body` is the encoded change set (bytes-like, G field first); `size` its raw payload bytes
-    (FORMAT.md §2), `num_changes` the number of changes in it.
+    (docs/format.md §2), `num_changes` the number of changes in it.
     """
 
     __slots__ = ("log_id", "sequence_number", "body", "size", "num_changes")

@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
-SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
-FIXTURES = os.path.join(SHARED, "fixtures", "flink")
+# Golden files written by Apache Flink 2.3's DSTL (see fixtures/flink/README.md).
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "flink")
 
 
 def expected_implementation() -> str:
@@ -28,7 +28,7 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def flink_fixtures() -> str:
     if not os.path.isdir(FIXTURES):
-        pytest.fail(f"Flink fixtures not found at {FIXTURES} (shared/ must sit beside the repo)")
+        pytest.fail(f"Flink fixtures not found at {FIXTURES}")
     return FIXTURES
 
 

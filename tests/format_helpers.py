@@ -12,7 +12,7 @@ import pytest
 
 from conftest import expected_implementation
 
-from dstl import _buffer_py, _decode_py
+from dstl._fast import _buffer_py, _decode_py
 
 
 def _cython():

@@ -93,7 +93,7 @@ def children_of(pid: int) -> List[int]:
 
 
 def alive(pid: int) -> bool:
-    from dstl.upload.service.runtime import pid_alive
+    from dstl.changelog.upload.service.runtime import pid_alive
 
     return pid_alive(pid)
 
@@ -218,7 +218,7 @@ def stop_services(storages) -> None:
 def _is_service(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"dstl.upload.service.server" in f.read()
+            return b"dstl.changelog.upload.service.server" in f.read()
     except OSError:
         return False
 
@@ -282,7 +282,7 @@ def runtime():
 
 def process_storage(base, **opts):
     """A process-mode storage with a fresh job id (options as for `open_storage`)."""
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     opts.setdefault("upload_mode", "process")
     opts.setdefault("job_id", uuid.uuid4().hex)

@@ -1,7 +1,7 @@
 """Shared pieces of the keyed-state tests: a direct-mode storage on tmp_path and a state dump."""
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 MAXP = 128

@@ -1,4 +1,4 @@
-"""Back-pressure: max-in-flight bytes, blocking writers, the availability provider (SEMANTICS.md §7.3)."""
+"""Back-pressure: max-in-flight bytes, blocking writers, the availability provider (docs/semantics.md §7.3)."""
 from __future__ import annotations
 
 import threading
@@ -8,9 +8,9 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
-from dstl.upload.throttle import UploadThrottle
+from dstl.changelog.upload.throttle import UploadThrottle
 from faultyfs import faulty, faulty_url  # noqa: F401
 from writer_modes import read_all, wait_until
 

@@ -1,4 +1,4 @@
-"""BatchingStateChangeUploadScheduler (SEMANTICS.md §7.2, §7.3) over the real uploader and executor."""
+"""BatchingStateChangeUploadScheduler (docs/semantics.md §7.2, §7.3) over the real uploader and executor."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,12 @@ from concurrent.futures import CancelledError
 import pytest
 
 from dstl.metrics import ChangelogStorageMetricGroup
-from dstl.registry import TaskChangelogRegistry
-from dstl.storage import open_storage
+from dstl.changelog.registry import TaskChangelogRegistry
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
-from dstl.upload.retry import RetryingExecutor, RetryPolicy
-from dstl.upload.scheduler import BatchingStateChangeUploadScheduler, StateChangeUploadScheduler
-from dstl.upload.uploader import StateChangeFsUploader
+from dstl.changelog.upload.retry import RetryingExecutor, RetryPolicy
+from dstl.changelog.upload.scheduler import BatchingStateChangeUploadScheduler, StateChangeUploadScheduler
+from dstl.changelog.upload.uploader import StateChangeFsUploader
 from test_uploader import JOB, Sink, sealed
 from writer_modes import read_all, wait_until
 
@@ -102,7 +102,7 @@ def test_delay_runs_from_the_first_task_and_is_not_extended(parts):
 
 
 def UploadTaskAt(sink, change_set, done_at, label):
-    from dstl.upload.task import UploadTask
+    from dstl.changelog.upload.task import UploadTask
 
     def ok(results):
         done_at[label] = time.monotonic()
@@ -216,7 +216,7 @@ def test_concurrent_uploads_all_settle(parts):
 
 
 def test_a_failing_callback_does_not_block_the_rest_of_the_batch(parts):
-    from dstl.upload.task import UploadTask
+    from dstl.changelog.upload.task import UploadTask
 
     scheduler, _, _ = parts
     s = scheduler(delay_ms=60_000)

@@ -258,7 +258,7 @@ def test_cython_and_twin_are_byte_identical(seed):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(-1, 300), st.binary(max_size=40)), max_size=60))
 def test_seal_matches_a_reference_encoding(rows):
-    """Both implementations against a straightforward re-statement of FORMAT.md §4."""
+    """Both implementations against a straightforward re-statement of docs/format.md §4."""
     groups = {}
     for kg, data in rows:
         groups.setdefault(kg, []).append(data)

@@ -9,7 +9,7 @@ import time
 import fsspec
 import pytest
 
-from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
 from dstl.keygroups import key_group_ranges
 from dstl.state.metadata import (
     MAGIC, CheckpointJobMismatchError, CheckpointMetadata, CorruptCheckpointError, SubtaskState,
@@ -283,8 +283,8 @@ def test_keyed_and_operator_state_through_a_checkpoint_and_a_rescale(tmp_path, n
     import numpy as np
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
-    from dstl.state.keyed import KeyedStateBackend
-    from dstl.storage import open_storage
+    from dstl.state.backend import KeyedStateBackend
+    from dstl.changelog.storage import open_storage
 
     max_p, base = 128, str(tmp_path)
     users = np.array([f"user-{i}" for i in range(60)], dtype=object)

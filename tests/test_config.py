@@ -1,4 +1,4 @@
-"""StorageConfig: keys in both spellings, Flink value syntax (OPTIONS.md §3), validation, round trip."""
+"""StorageConfig: keys in both spellings, Flink value syntax (docs/options.md §3), validation, round trip."""
 from __future__ import annotations
 
 import datetime
@@ -37,7 +37,7 @@ def test_defaults_are_flinks():
     assert c.max_attempts == 3
     assert c.next_attempt_delay_ms == 500
     assert c.cache_idle_timeout_ms == 600_000
-    assert c.upload_mode == "process"  # OPTIONS.md default now that the upload service exists
+    assert c.upload_mode == "process"  # docs/options.md default now that the upload service exists
 
 
 def test_every_option_in_both_spellings():

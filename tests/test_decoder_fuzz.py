@@ -7,7 +7,8 @@ import struct
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from dstl import compression, format as fmt
+from dstl import format as fmt
+from dstl.format import compression
 from dstl.errors import CorruptChangelogError
 from dstl.types import KeyGroupRange
 

@@ -1,4 +1,4 @@
-"""Flink-written golden files (shared/fixtures/flink): decode, re-encode, Snappy structure and CRCs."""
+"""Flink-written golden files (tests/fixtures/flink): decode, re-encode, Snappy structure and CRCs."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,8 @@ import struct
 
 import pytest
 
-from dstl import compression, format as fmt
+from dstl import format as fmt
+from dstl.format import compression
 from dstl.types import KeyGroupRange
 
 from conftest import FIXTURES
@@ -38,7 +39,7 @@ def test_files_match_their_description(case):
         size = memoryview(logical).nbytes
         if "handle_state_size" in meta:  # absent for a file only the companion handle uses
             assert size == meta["handle_state_size"]
-        # the change sets tile the logical stream exactly (FORMAT.md §5.3, §5.8)
+        # the change sets tile the logical stream exactly (docs/format.md §5.3, §5.8)
         infos = fmt.walk(logical)
         assert infos[0].offset == 0
         assert sum(i.encoded_size for i in infos) == size

@@ -1,4 +1,4 @@
-"""The byte format (FORMAT.md): worked examples, file layout, compression, malformed input."""
+"""The byte format (docs/format.md): worked examples, file layout, compression, malformed input."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from dstl import compression, format as fmt
+from dstl import format as fmt
+from dstl.format import compression
 from dstl.errors import CorruptChangelogError
 from dstl.types import KeyGroupRange, SealedChangeSet, StateChange, StateChangeSet
 

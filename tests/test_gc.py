@@ -15,7 +15,7 @@ KGR = KeyGroupRange(0, 127)
 
 def _write_files(base: str, n: int, job: str):
     """n changelog files (direct mode: one file per persist); returns their changelog handles."""
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     handles = []
     with open_storage(base, upload_mode="direct", job_id=job) as s:

@@ -7,7 +7,7 @@ import fsspec
 import msgpack
 import pytest
 
-from dstl.handles import ChangelogStateHandleStreamImpl, SnapshotResult, StreamStateHandle
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, SnapshotResult, StreamStateHandle
 from dstl.types import KeyGroupRange
 
 

@@ -14,7 +14,43 @@ def test_the_expected_implementation_is_loaded():
 def test_cython_extension_is_built_when_expected():
     if expected_implementation() == "cython":
         # the extension must really be importable, not a silent fallback
-        for name in ("_buffer", "_decode", "_hash"):
+        for name in _impl.MODULES:
             importlib.import_module(f"dstl._fast.{name}")
     else:
         assert _impl.FORCED_PURE
+
+
+def test_every_facade_uses_the_selected_module():
+    """One selector (`_impl.kernel`) picks every Cython module or its twin beside it."""
+    from dstl import format as fmt, keygroups
+    from dstl.state import columns
+
+    suffix = "" if expected_implementation() == "cython" else "_py"
+    assert fmt.ChangeBuffer.__module__ == f"dstl._fast._buffer{suffix}"
+    assert fmt.decode_change_set.__module__ == f"dstl._fast._decode{suffix}"
+    assert keygroups._kernels.__name__ == f"dstl._fast._hash{suffix}"
+    assert columns._kernel.__name__ == f"dstl._fast._statecols{suffix}"
+    for name in _impl.MODULES:
+        assert _impl.kernel(name).__name__ == f"dstl._fast.{name}{suffix}"
+
+
+def test_every_cython_module_has_a_twin_file_beside_it():
+    import glob
+    import os
+
+    here = os.path.dirname(_impl.__file__)
+    pyx = sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(here, "_fast", "*.pyx")))
+    assert pyx == sorted(_impl.MODULES)
+    for name in pyx:
+        assert os.path.isfile(os.path.join(here, "_fast", f"{name}_py.py")), name
+
+
+def test_subpackages_are_attributes_of_dstl():
+    import subprocess
+    import sys
+
+    code = ("import dstl; from dstl.types import StateChange; "
+            "print(dstl.format.decode_file.__name__, dstl.state.__name__, dstl.spark.__name__, "
+            "dstl.keygroups.assign_to_key_group(1, 128))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["decode_file", "dstl.state", "dstl.spark", str(dstl.keygroups.assign_to_key_group(1, 128))]

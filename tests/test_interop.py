@@ -1,9 +1,9 @@
-"""Interop with Flink's DSTL files (FORMAT.md; shared/fixtures/flink).
+"""Interop with Flink's DSTL files (docs/format.md; tests/fixtures/flink).
 
-1. Files our storage writes are re-parsed by a minimal parser written here from FORMAT.md alone.
+1. Files our storage writes are re-parsed by a minimal parser written here from docs/format.md alone.
 2. Handles over Flink's fixture files read back exactly through `storage.create_reader()`.
 3. Replaying each fixture's recorded calls through our storage gives the same handle layout
-   (entries, offsets, file grouping, sizes) and the same logical bytes (FORMAT.md §4.4).
+   (entries, offsets, file grouping, sizes) and the same logical bytes (docs/format.md §4.4).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import cramjam
 import pytest
 
 from dstl.format import decode_change_set, to_logical, walk
-from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
-from dstl.storage import open_storage
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 T = 20
@@ -98,7 +98,7 @@ def parse_file(raw: bytes):
 
 
 def canonical(changes):
-    """Canonical group order (FORMAT.md §4.2): metadata first, key groups ascending, append order kept."""
+    """Canonical group order (docs/format.md §4.2): metadata first, key groups ascending, append order kept."""
     return sorted(changes, key=lambda c: c[0])  # stable
 
 

@@ -1,4 +1,4 @@
-"""Key groups (RESCALING.md §1-§4): test vectors, scalar and vectorised paths, errors, properties."""
+"""Key groups (docs/rescaling.md §1-§4): test vectors, scalar and vectorised paths, errors, properties."""
 import importlib
 
 import numpy as np
@@ -14,7 +14,7 @@ from dstl.types import KeyGroupRange
 
 from conftest import expected_implementation
 
-# RESCALING.md §4: key, Java hash, murmur (None = not given), key group for maxP 128
+# docs/rescaling.md §4: key, Java hash, murmur (None = not given), key group for maxP 128
 VECTORS = [
     (0, 0, 593689054, 94),
     (1, 1, 68075478, 86),
@@ -41,7 +41,7 @@ BYTES_VECTORS = [v for v in VECTORS if isinstance(v[0], bytes)]
 
 def test_facade_uses_the_expected_kernels():
     assert IMPLEMENTATION == expected_implementation()
-    expected = "dstl._fast._hash" if IMPLEMENTATION == "cython" else "dstl._hash_py"
+    expected = "dstl._fast._hash" if IMPLEMENTATION == "cython" else "dstl._fast._hash_py"
     assert kg._kernels.__name__ == expected
 
 
@@ -443,7 +443,7 @@ def _both_kernels():
         compiled = importlib.import_module("dstl._fast._hash")
     except ImportError:
         pytest.skip("the Cython extension is not built")
-    return compiled, importlib.import_module("dstl._hash_py")
+    return compiled, importlib.import_module("dstl._fast._hash_py")
 
 
 def test_cython_and_twin_agree_on_large_random_columns():
@@ -476,7 +476,7 @@ def test_cython_and_twin_reject_bad_offsets_alike(offsets, data):
 
 def test_twin_chunking_gives_the_same_result(monkeypatch):
     """The twin bounds its temporaries by working in row chunks; chunk edges must not matter."""
-    twin = importlib.import_module("dstl._hash_py")
+    twin = importlib.import_module("dstl._fast._hash_py")
     words = [f"k{i}-\U0001F600" if i % 3 == 0 else f"é{i}" * (i % 5) for i in range(500)]
     expected = [kg.assign_to_key_group(w, 1000) for w in words]
     blobs = [w.encode() for w in words]

@@ -1,4 +1,4 @@
-"""Local recovery through the storage (SEMANTICS.md §5 result, §6 confirm/reset, §10)."""
+"""Local recovery through the storage (docs/semantics.md §5 result, §6 confirm/reset, §10)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 T = 20
@@ -100,10 +100,10 @@ def test_truncate_releases_remote_and_local(local_storage):
 
 def test_mixed_results_give_no_local_snapshot(tmp_path, caplog):
     """Change sets uploaded before local recovery was available have no local copy: warn, no local snapshot."""
-    from dstl.handles import StreamStateHandle
-    from dstl.upload.task import UploadResult
-    from dstl.writer import FsStateChangelogWriter
-    from dstl.registry import LocalChangelogRegistry, TaskChangelogRegistry
+    from dstl.changelog.handles import StreamStateHandle
+    from dstl.changelog.upload.task import UploadResult
+    from dstl.changelog.writer import FsStateChangelogWriter
+    from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 
     registry = TaskChangelogRegistry()
     w = FsStateChangelogWriter(uuid.UUID(int=1), KGR, None, registry, LocalChangelogRegistry.NO_OP, 1 << 20,
@@ -111,7 +111,7 @@ def test_mixed_results_give_no_local_snapshot(tmp_path, caplog):
     remote = StreamStateHandle(str(tmp_path / "f"), 10)
     results = {0: UploadResult(remote, None, 0, 0, 0, 1),
                1: UploadResult(remote, StreamStateHandle(str(tmp_path / "l"), 10), 5, 5, 1, 1)}
-    with caplog.at_level(logging.WARNING, logger="dstl.writer"):
+    with caplog.at_level(logging.WARNING, logger="dstl.changelog.writer"):
         snap = w._build_result(results, 2)
     assert snap.task_local_snapshot is None and "local copy" in caplog.text
     assert snap.job_manager_owned_snapshot.state_size == 2

@@ -1,11 +1,11 @@
-"""The metric checks 1-6 of OPTIONS.md §4, through the public storage API."""
+"""The metric checks 1-6 of docs/options.md §4, through the public storage API."""
 from __future__ import annotations
 
 import uuid
 
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 from faultyfs import faulty, faulty_url  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""Operator list state and its FLIP-8 redistribution (RESCALING.md §5)."""
+"""Operator list state and its FLIP-8 redistribution (docs/rescaling.md §5)."""
 from collections import Counter
 
 import pytest

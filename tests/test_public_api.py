@@ -15,7 +15,7 @@ import dstl.spark
 import dstl.state
 from dstl.config import StorageConfig
 from dstl.metrics import ChangelogStorageMetricGroup
-from dstl.registry import TaskChangelogRegistry
+from dstl.changelog.registry import TaskChangelogRegistry
 
 T = 20
 JOB = "0123456789abcdef" * 2

@@ -14,9 +14,10 @@ import pytest
 
 from dstl import format as fmt
 from dstl.errors import CorruptChangelogError
-from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
-from dstl.reader import DownloadCache, StateChangelogReader
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+from dstl.changelog.reader import DownloadCache, StateChangelogReader
 from dstl.types import KeyGroupRange, StateChange, StateChangeSet
+from conftest import FIXTURES
 from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401  (faulty is a fixture)
 
 
@@ -25,8 +26,7 @@ def _cases(root):
     return [c["json"] for c in index["cases"]]
 
 
-CASES = _cases(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "flink")) \
-    if os.path.isdir(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "flink")) else []
+CASES = _cases(FIXTURES)
 
 
 def fixture_handle(root: str, case_json: str, base: str = None):

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from dstl.handles import StreamStateHandle
-from dstl.registry import LocalChangelogRegistry, TaskChangelogRegistry
+from dstl.changelog.handles import StreamStateHandle
+from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 
 
 def _file(tmp_path, name):
@@ -34,7 +34,7 @@ def test_stop_tracking_means_never_deleted(tmp_path, caplog):
     reg = TaskChangelogRegistry()
     reg.start_tracking(h, 2)
     reg.stop_tracking(h)
-    with caplog.at_level(logging.WARNING, logger="dstl.registry"):
+    with caplog.at_level(logging.WARNING, logger="dstl.changelog.registry"):
         reg.release(h)
         reg.release(h)
     reg.close()
@@ -96,7 +96,7 @@ def test_default_discard_logs_failures(tmp_path, caplog):
     reg = TaskChangelogRegistry()
     h = Broken(str(tmp_path / "x"), 1)
     reg.start_tracking(h, 1)
-    with caplog.at_level(logging.WARNING, logger="dstl.registry"):
+    with caplog.at_level(logging.WARNING, logger="dstl.changelog.registry"):
         reg.release(h)
         reg.close()
     assert "could not delete" in caplog.text

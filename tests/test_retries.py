@@ -1,4 +1,4 @@
-"""Retries through the storage (thread mode) on the fault-injecting filesystem (SEMANTICS.md §8)."""
+"""Retries through the storage (thread mode) on the fault-injecting filesystem (docs/semantics.md §8)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 from faultyfs import faulty, faulty_url  # noqa: F401
 from writer_modes import read_all, wait_until

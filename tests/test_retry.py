@@ -9,7 +9,7 @@ import pytest
 
 from dstl.config import StorageConfig
 from dstl.metrics import Histogram
-from dstl.upload.retry import AttemptTimeoutError, FixedRetryPolicy, RetryingExecutor, RetryPolicy
+from dstl.changelog.upload.retry import AttemptTimeoutError, FixedRetryPolicy, RetryingExecutor, RetryPolicy
 
 WAIT = 10  # generous upper bound for anything that should happen "soon"
 

@@ -205,7 +205,7 @@ def test_journal_survives_a_service_restart(runtime, tmp_path):
 
 _CLIENT = r"""
 import json, os, sys, time, uuid
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 base, job, local = sys.argv[1], sys.argv[2], sys.argv[3]
 s = open_storage(base, upload_mode="process", job_id=job)
@@ -231,7 +231,7 @@ def test_client_killed_with_sigkill_its_files_are_orphans_until_the_grace_ends(r
     """A dead client's shared memory goes at once; its unconfirmed files become orphans: after the grace
     period, a file that a checkpoint (written by another process, like a Spark driver) references is
     kept, and the others are deleted."""
-    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl
     from dstl.state.metadata import CheckpointMetadata, SubtaskState, write_checkpoint
 
     monkeypatch.setenv("DSTL_ORPHAN_GRACE_MS", str(GRACE_MS))

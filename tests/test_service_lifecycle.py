@@ -72,7 +72,7 @@ def test_same_job_writers_of_two_clients_share_a_file(runtime, tmp_path):
 def test_racing_processes_start_exactly_one_service(runtime, tmp_path):
     code = (
         "import sys, uuid\n"
-        "from dstl.storage import open_storage\n"
+        "from dstl.changelog.storage import open_storage\n"
         "s = open_storage(sys.argv[1], upload_mode='process', job_id=uuid.uuid4().hex)\n"
         "print(s.scheduler.service_pid, flush=True)\n"
         "sys.stdin.read() if False else None\n"
@@ -165,7 +165,7 @@ def test_storage_start_up_is_fast_once_the_service_runs(runtime, tmp_path):
 
 def test_service_config_file_and_bad_runtime_dir(runtime, tmp_path):
     from dstl.config import StorageConfig
-    from dstl.upload.service.runtime import ServicePaths, service_key
+    from dstl.changelog.upload.service.runtime import ServicePaths, service_key
 
     c1 = StorageConfig(str(tmp_path / "b"), upload_mode="process")
     c2 = c1.replace(compression_enabled=True)
@@ -191,7 +191,7 @@ def test_service_config_file_and_bad_runtime_dir(runtime, tmp_path):
 def _task(sets):
     from concurrent.futures import Future
 
-    from dstl.upload.task import UploadTask
+    from dstl.changelog.upload.task import UploadTask
 
     f = Future()
     return UploadTask(sets, f.set_result, lambda sqns, exc: f.set_exception(exc)), f
@@ -209,7 +209,7 @@ def _sealed(kg: int, data: bytes, sqn: int = 0, log_id=None):
 def test_open_service_client_with_local_recovery_writes_and_tracks_both_copies(runtime, tmp_path):
     from dstl.config import StorageConfig
     from dstl.metrics import ChangelogStorageMetricGroup
-    from dstl.upload.service import open_service_client
+    from dstl.changelog.upload.service import open_service_client
 
     cfg = StorageConfig(str(tmp_path / "base"), upload_mode="process")
     metrics = ChangelogStorageMetricGroup()
@@ -242,7 +242,7 @@ def test_upload_failures_come_back_to_the_task_and_closed_scheduler_cancels(runt
 
     from dstl.config import StorageConfig
     from dstl.metrics import ChangelogStorageMetricGroup
-    from dstl.upload.service import open_service_client
+    from dstl.changelog.upload.service import open_service_client
 
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("a file where the base directory should be")
@@ -298,7 +298,7 @@ def test_a_service_that_cannot_start_is_reported_quickly_with_its_log(runtime, t
 
 def test_open_service_client_rejects_a_bad_job_id(runtime, tmp_path):
     from dstl.config import StorageConfig
-    from dstl.upload.service import open_service_client
+    from dstl.changelog.upload.service import open_service_client
 
     with pytest.raises(ValueError, match="job_id"):
         open_service_client(StorageConfig(str(tmp_path)), "../escape")

@@ -9,7 +9,7 @@ import pytest
 
 from service_util import Runtime, python_child
 
-from dstl.handles import ChangelogStateHandleStreamImpl
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 from dstl.types import KeyGroupRange
 
 WRITERS = 8
@@ -19,7 +19,7 @@ PERSIST_EVERY = 10_000
 _WRITER = r"""
 import json, sys
 import numpy as np
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 base, job, idx, n, every, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 s = open_storage(base, upload_mode="process", job_id=job)
@@ -58,7 +58,7 @@ def test_eight_processes_every_change_exactly_once_in_order_and_batched(tmp_path
         for r in results:
             rt.remember(r["service"])
         assert len({r["service"] for r in results}) == 1, "every writer process must use one service"
-        from dstl.storage import open_storage
+        from dstl.changelog.storage import open_storage
 
         flushes = sum(r["persists"] for r in results)
         files = os.listdir(base / job / "dstl")

@@ -11,9 +11,9 @@ from concurrent.futures import wait
 
 import pytest
 
-from dstl.upload.service import shm
-from dstl.upload.service.journal import Journal, RegistryState
-from dstl.upload.service.runtime import file_lock, pid_alive
+from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.journal import Journal, RegistryState
+from dstl.changelog.upload.service.runtime import file_lock, pid_alive
 
 
 def test_state_counts_shares_and_deletes_exactly_at_zero():
@@ -117,7 +117,7 @@ def test_orphan_sweep_only_takes_segments_whose_processes_are_gone():
 def test_attaching_in_another_process_leaves_no_tracker_warnings():
     name = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t4") + "1"
     shm.create_segment(name, [b"hello"])
-    code = ("import sys; from dstl.upload.service import shm; s = shm.attach(sys.argv[1]); "
+    code = ("import sys; from dstl.changelog.upload.service import shm; s = shm.attach(sys.argv[1]); "
             "print(bytes(s.buf[:5]).decode()); s.close()")
     try:
         r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60,
@@ -160,10 +160,10 @@ def test_uploader_takes_the_file_name_the_service_announced(tmp_path):
 
     from dstl.format import ChangeBuffer, to_logical
     from dstl.metrics import ChangelogStorageMetricGroup
-    from dstl.registry import TaskChangelogRegistry
+    from dstl.changelog.registry import TaskChangelogRegistry
     from dstl.types import SealedChangeSet
-    from dstl.upload.task import UploadTask
-    from dstl.upload.uploader import StateChangeFsUploader
+    from dstl.changelog.upload.task import UploadTask
+    from dstl.changelog.upload.uploader import StateChangeFsUploader
 
     job = "0123456789abcdef0123456789abcdef"
     reg = TaskChangelogRegistry()
@@ -224,10 +224,10 @@ def test_a_dead_clients_shares_become_orphans_that_survive_a_restart(tmp_path):
 def test_orphan_sweep_keeps_referenced_and_unreadable_deletes_the_rest(tmp_path, caplog):
     import logging
 
-    from dstl.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
     from dstl.state.metadata import CheckpointMetadata, SubtaskState, write_checkpoint
     from dstl.types import KeyGroupRange
-    from dstl.upload.service.registry_proc import _Registry
+    from dstl.changelog.upload.service.registry_proc import _Registry
 
     base = tmp_path / "base"
     files = []
@@ -265,7 +265,7 @@ def test_orphan_sweep_keeps_referenced_and_unreadable_deletes_the_rest(tmp_path,
     op(["drop_client", 12, "d2", 0])
     (base / "checkpoints" / "chk-8").mkdir()
     (base / "checkpoints" / "chk-8" / "_metadata").write_bytes(b"not a checkpoint")
-    with caplog.at_level(logging.WARNING, logger="dstl.upload.service.registry"):
+    with caplog.at_level(logging.WARNING, logger="dstl.changelog.upload.service.registry"):
         reg.sweep()
     wait(list(reg.futures))
     assert f.exists() and reg.state.orphans == {} and "cannot be read" in caplog.text
@@ -276,7 +276,7 @@ def test_orphan_sweep_keeps_referenced_and_unreadable_deletes_the_rest(tmp_path,
 
 
 def test_orphan_grace_comes_from_the_environment():
-    from dstl.upload.service.registry_proc import DEFAULT_ORPHAN_GRACE_MS, orphan_grace_ms
+    from dstl.changelog.upload.service.registry_proc import DEFAULT_ORPHAN_GRACE_MS, orphan_grace_ms
 
     assert orphan_grace_ms({}) == DEFAULT_ORPHAN_GRACE_MS == 600_000
     assert orphan_grace_ms({"DSTL_ORPHAN_GRACE_MS": "250"}) == 250

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from dstl import cli
-from dstl.spark import pipeline
+from dstl.app import pipeline
 from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
 
 pytestmark = pytest.mark.spark
@@ -297,11 +297,11 @@ def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     failed). Re-running batch 1 must not continue the workers' backends, which already hold batch 1:
     they are stale (checkpoint 2 is not the latest completed one), so the tasks restore checkpoint 1."""
     from dstl.config import StorageConfig
-    from dstl.spark.activity import compare_output, compare_state, output_ddl, reference, user_activity
+    from dstl.app.activity import compare_output, compare_state, output_ddl, reference, user_activity
     from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
     from dstl.spark.job import StatefulJob
     from dstl.spark.keyed import TaskReport, stateful_map_in_pandas_local
-    from dstl.spark.source import SyntheticSource
+    from dstl.app.source import SyntheticSource
 
     base = str(tmp_path / "job")
     source = SyntheticSource(3000, 3, users=150, items=30, seed=9)

@@ -9,13 +9,14 @@ import pytest
 
 from dstl.config import StorageConfig
 from dstl.keygroups import compute_key_group_range_for_operator_index
-from dstl.spark.activity import MemoryState, compare_output, compare_state, reference, user_activity, read_state
+from dstl.app.activity import compare_output, compare_state, reference, user_activity, read_state
+from dstl.spark.memory import MemoryState
 from dstl.spark.cache import StateCache
 from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
 from dstl.spark.keyed import partition_salts, spark_hash_int
-from dstl.spark.source import FileSource, SyntheticSource, batch_bounds
-from dstl.state.keyed import KeyedStateBackend
-from dstl.storage import FsStateChangelogStorage
+from dstl.app.source import FileSource, SyntheticSource, batch_bounds
+from dstl.state.backend import KeyedStateBackend
+from dstl.changelog.storage import FsStateChangelogStorage
 
 
 def test_spark_hash_int_known_values():

@@ -182,7 +182,7 @@ def test_column_rejects_non_columns():
 # ------------------------------------------------------------------ encode_rows: Cython kernel and twin
 
 def _kernels():
-    from dstl.state.columns import encode_rows_py
+    from dstl._fast._statecols_py import encode_rows as encode_rows_py
 
     out = {"python": encode_rows_py}
     try:
@@ -251,7 +251,7 @@ def test_encode_rows_rejects_bad_specs(impl):
 
 
 def _updaters():
-    from dstl.state.columns import dict_update_rows_py
+    from dstl._fast._statecols_py import dict_update_rows as dict_update_rows_py
 
     out = {"python": dict_update_rows_py}
     try:

@@ -11,9 +11,9 @@ import pytest
 
 from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
 from dstl.state import changes as C
-from dstl.state.keyed import KeyedStateBackend, KeyedStateSnapshot
+from dstl.state.backend import KeyedStateBackend, KeyedStateSnapshot
 from dstl.state.serializers import PICKLE
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 from state_helpers import FULL, MAXP, dump, storage  # noqa: F401  (storage: fixture)

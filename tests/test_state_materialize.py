@@ -9,8 +9,8 @@ import pytest
 
 from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
 from dstl.state import changes as C
-from dstl.state.keyed import KeyedStateBackend
-from dstl.storage import open_storage
+from dstl.state.backend import KeyedStateBackend
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401  (fixture)

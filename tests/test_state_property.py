@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
-from dstl.state.keyed import KeyedStateBackend
-from dstl.storage import open_storage
+from dstl.state.backend import KeyedStateBackend
+from dstl.changelog.storage import open_storage
 
 MAXP = 128
 LIST_MAX = 4

@@ -8,9 +8,9 @@ import pytest
 
 import dstl
 from dstl.config import StorageConfig
-from dstl.storage import FsStateChangelogStorage, open_storage
+from dstl.changelog.storage import FsStateChangelogStorage, open_storage
 from dstl.types import KeyGroupRange
-from dstl.upload.scheduler import BatchingStateChangeUploadScheduler, DirectUploadScheduler
+from dstl.changelog.upload.scheduler import BatchingStateChangeUploadScheduler, DirectUploadScheduler
 
 T = 20
 

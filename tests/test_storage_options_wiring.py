@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 
-from dstl.storage import FsStateChangelogStorage
+from dstl.changelog.storage import FsStateChangelogStorage
 from dstl.types import KeyGroupRange
 from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401
 from writer_modes import read_all, wait_until

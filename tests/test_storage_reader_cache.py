@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from dstl.storage import FsStateChangelogStorage
+from dstl.changelog.storage import FsStateChangelogStorage
 from dstl.types import KeyGroupRange
 from faultyfs import FAULTS, faulty, faulty_url  # noqa: F401
 

@@ -5,8 +5,8 @@ import uuid
 
 import pytest
 
-from dstl.handles import ChangelogStateHandleStreamImpl
-from dstl.storage import FsStateChangelogStorage
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl
+from dstl.changelog.storage import FsStateChangelogStorage
 from dstl.types import KeyGroupRange
 
 pytestmark = pytest.mark.s3

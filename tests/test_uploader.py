@@ -1,4 +1,4 @@
-"""StateChangeFsUploader: one attempt = one file (SEMANTICS.md §7.1, FORMAT.md §5, §9)."""
+"""StateChangeFsUploader: one attempt = one file (docs/semantics.md §7.1, docs/format.md §5, §9)."""
 from __future__ import annotations
 
 import os
@@ -8,10 +8,10 @@ import pytest
 
 from dstl.format import ChangeBuffer, to_logical
 from dstl.metrics import ChangelogStorageMetricGroup
-from dstl.registry import TaskChangelogRegistry
+from dstl.changelog.registry import TaskChangelogRegistry
 from dstl.types import SealedChangeSet
-from dstl.upload.task import UploadTask
-from dstl.upload.uploader import StateChangeFsUploader
+from dstl.changelog.upload.task import UploadTask
+from dstl.changelog.upload.uploader import StateChangeFsUploader
 from faultyfs import faulty, faulty_url  # noqa: F401
 
 JOB = "0123456789abcdef0123456789abcdef"
@@ -94,7 +94,7 @@ def test_compressed_files_have_the_same_logical_offsets(tmp_path, registry, code
 
 
 def test_existing_file_is_never_overwritten(tmp_path, registry, monkeypatch):
-    import dstl.upload.uploader as mod
+    import dstl.changelog.upload.uploader as mod
 
     fixed = uuid.UUID("3f2504e0-4f89-41d3-9a0c-0305e82c3301")
     monkeypatch.setattr(mod.uuid, "uuid4", lambda: fixed)

@@ -10,10 +10,10 @@ import pytest
 
 from dstl.format import ChangeBuffer, to_logical, decode_change_set_arrays
 from dstl.metrics import ChangelogStorageMetricGroup
-from dstl.registry import TaskChangelogRegistry
+from dstl.changelog.registry import TaskChangelogRegistry
 from dstl.types import SealedChangeSet
-from dstl.upload.task import UploadTask
-from dstl.upload.uploader import StateChangeFsUploader, _PREALLOCATE_MIN
+from dstl.changelog.upload.task import UploadTask
+from dstl.changelog.upload.uploader import StateChangeFsUploader, _PREALLOCATE_MIN
 
 JOB = "0123456789abcdef0123456789abcdef"
 

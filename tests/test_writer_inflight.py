@@ -1,4 +1,4 @@
-"""Writer behaviour while uploads are in flight (SEMANTICS.md §2, §5, §6).
+"""Writer behaviour while uploads are in flight (docs/semantics.md §2, §5, §6).
 
 A hand-driven scheduler holds the writer's upload tasks so the test decides when each one finishes;
 the upload itself is the real StateChangeFsUploader writing to tmp_path, with the real registry.
@@ -13,12 +13,12 @@ import pytest
 
 from dstl.errors import WriterClosedError
 from dstl.metrics import ChangelogStorageMetricGroup
-from dstl.reader import StateChangelogReader
-from dstl.registry import LocalChangelogRegistry, TaskChangelogRegistry
+from dstl.changelog.reader import StateChangelogReader
+from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 from dstl.types import KeyGroupRange
-from dstl.upload.scheduler import StateChangeUploadScheduler
-from dstl.upload.uploader import StateChangeFsUploader
-from dstl.writer import FsStateChangelogWriter
+from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
+from dstl.changelog.upload.uploader import StateChangeFsUploader
+from dstl.changelog.writer import FsStateChangelogWriter
 
 KGR = KeyGroupRange(0, 15)
 T = 10
@@ -162,7 +162,7 @@ def test_truncate_and_close_releases_late_results_at_or_after_from(rig):
 
 
 def test_callbacks_run_without_the_writer_lock(rig):
-    """A done-callback calling back into the writer must not deadlock (SEMANTICS.md §2.5)."""
+    """A done-callback calling back into the writer must not deadlock (docs/semantics.md §2.5)."""
     w, sched, _, _ = rig
     w.append(0, b"a")
     f = w.persist(0, 1)
@@ -227,7 +227,7 @@ def test_truncate_after_confirm_leaves_the_file_without_untracked_warnings(rig, 
     f.result(T)
     nxt = w.next_sequence_number()
     w.confirm(0, nxt, 1)
-    with caplog.at_level(logging.WARNING, logger="dstl.registry"):
+    with caplog.at_level(logging.WARNING, logger="dstl.changelog.registry"):
         w.truncate(nxt)
         w.close()
     registry.wait_for_deletions(T)

@@ -1,4 +1,4 @@
-"""FsStateChangelogWriter semantics (SEMANTICS.md §3-§6), in every upload mode of writer_modes.UPLOAD_MODES."""
+"""FsStateChangelogWriter semantics (docs/semantics.md §3-§6), in every upload mode of writer_modes.UPLOAD_MODES."""
 from __future__ import annotations
 
 import threading

@@ -1,6 +1,6 @@
 """Several writers on one storage, in threads, against a model: every persist reads back exactly the
 changes from its `from` on, and at the end exactly the files of confirmed checkpoints remain
-(SEMANTICS.md §9: a file is deleted iff no change set in it was confirmed and every one was released)."""
+(docs/semantics.md §9: a file is deleted iff no change set in it was confirmed and every one was released)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from dstl.storage import open_storage
+from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 
 T = 30

@@ -29,7 +29,7 @@ def make_storage(tmp_path, upload_mode):
     Options use `open_storage` spelling (`batch_persist_delay="1 ms"`); `job_id` and
     `local_recovery_dir` pass through; `base_path` overrides the default directory.
     """
-    from dstl.storage import open_storage
+    from dstl.changelog.storage import open_storage
 
     made = []
 

@@ -6,7 +6,7 @@ length); `seal` is a counting sort by key group followed by one scatter copy int
 reference instead of copying: the payload is then copied exactly once, by `seal`. Records are
 organised in runs; a run's payload lives in the arena or in one such source.
 
-Twin: dstl/_buffer_py.py (byte-identical output, same errors; `coerce_many` is shared).
+Twin: dstl/_fast/_buffer_py.py (byte-identical output, same errors; `coerce_many` is shared).
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -17,7 +17,7 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from dstl._buffer_py import byte_view, check_key_group, coerce_many, writable_view
+from dstl._fast._buffer_py import byte_view, check_key_group, coerce_many, writable_view
 
 cdef enum:
     NSLOTS = 32769          # key groups -1..32767, slot = kg + 1
@@ -115,7 +115,7 @@ def _immutable(data):
 
 
 cdef class ChangeBuffer:
-    """Accumulates changes and seals them into one canonical change-set body (FORMAT.md §4)."""
+    """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 
     cdef unsigned char* arena
     cdef int64_t arena_len, arena_cap
@@ -344,7 +344,7 @@ cdef class ChangeBuffer:
 
     @property
     def size(self):
-        """Payload bytes held (FORMAT.md §2 size)."""
+        """Payload bytes held (docs/format.md §2 size)."""
         return self.payload
 
     @property

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Cython change-set decoder (FORMAT.md §4, §8). Twin: dstl/_decode_py.py (same results, same errors).
+"""Cython change-set decoder (docs/format.md §4, §8). Twin: dstl/_fast/_decode_py.py (same results, same errors).
 
 `scan` walks one change set in C, bounds-checking every field before reading it. Output goes into
 arrays sized by a first counting pass, or (for objects) into buffers that grow geometrically with
@@ -17,7 +17,7 @@ import gc
 
 import numpy as np
 
-from dstl._decode_py import ChangeSetInfo, check_offset, logical_view, range_bounds
+from dstl._fast._decode_py import ChangeSetInfo, check_offset, logical_view, range_bounds
 from dstl.errors import CorruptChangelogError
 from dstl.types import StateChange
 
@@ -332,7 +332,7 @@ def decode_change_set(logical, offset=0, key_group_range=None):
 
 
 def walk(logical):
-    """Every change set of a whole logical stream; the last must end exactly at its end (FORMAT.md §5.8)."""
+    """Every change set of a whole logical stream; the last must end exactly at its end (docs/format.md §5.8)."""
     cdef _Bytes b = _Bytes(logical)
     cdef int64_t pos = 0
     cdef Scan r

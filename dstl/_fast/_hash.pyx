@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Java-compatible hash codes and Flink's key-group hash, vectorised (twin: dstl/_hash_py.py).
+"""Java-compatible hash codes and Flink's key-group hash, vectorised (twin: dstl/_fast/_hash_py.py).
 
-RESCALING.md §2-§3. The column kernels run without the GIL and without Python objects per row:
+docs/rescaling.md §2-§3. The column kernels run without the GIL and without Python objects per row:
 integers straight from an int64 array, strings from Arrow's offsets + UTF-8 data buffers (decoded to
 UTF-16 code units on the fly), binaries from the same layout. Inputs are normalised by dstl.keygroups.
 """
@@ -127,7 +127,7 @@ cdef uint32_t _java_hash(object key) except? 0xFFFFFFFF:
 
 
 def java_hash_code(key) -> int:
-    """Java's hashCode for an int/str/bytes key as a signed int32 (RESCALING.md §2)."""
+    """Java's hashCode for an int/str/bytes key as a signed int32 (docs/rescaling.md §2)."""
     return <int32_t>_java_hash(key)
 
 
@@ -319,7 +319,7 @@ def object_key_groups(list values, max_parallelism):
 
 
 def operator_indices(key_groups, int32_t max_parallelism, int32_t parallelism):
-    """kg * parallelism // max_parallelism for every key group (RESCALING.md §3)."""
+    """kg * parallelism // max_parallelism for every key group (docs/rescaling.md §3)."""
     kg = np.asarray(key_groups)
     if kg.dtype.kind not in "iu":
         raise TypeError(f"key groups must be an integer array, got dtype {kg.dtype}")

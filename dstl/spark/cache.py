@@ -141,7 +141,7 @@ _storages: Dict[Tuple[str, Tuple[Tuple[str, Any], ...]], Any] = {}
 
 def storage_for(job_id: str, options: Mapping[str, Any]):
     """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open."""
-    from dstl.storage import FsStateChangelogStorage
+    from dstl.changelog.storage import FsStateChangelogStorage
 
     key = (job_id, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _storages_lock:

@@ -10,7 +10,7 @@ elsewhere.
 
 Each task takes its subtask's `KeyedStateBackend` from the worker's cache (dstl.spark.cache) when it
 is exactly at the latest completed checkpoint, otherwise restores it from that checkpoint's changelog
-(any old parallelism: RESCALING.md §6). It calls ``fn(rows, state)``, stages the output as a parquet
+(any old parallelism: docs/rescaling.md §6). It calls ``fn(rows, state)``, stages the output as a parquet
 file, snapshots the state for the new checkpoint and returns one report row: the serialised
 `KeyedStateSnapshot` beside the staged file and timings. The driver (dstl.spark.coordinator) turns the
 reports into checkpoint metadata and only then commits the staged output.
@@ -209,7 +209,7 @@ class TaskReport:
 # ------------------------------------------------------------------ state backend adapters
 
 def _state_api():
-    from dstl.state.keyed import KeyedStateBackend, KeyedStateSnapshot
+    from dstl.state.backend import KeyedStateBackend, KeyedStateSnapshot
 
     return KeyedStateBackend, KeyedStateSnapshot
 
@@ -240,7 +240,7 @@ def open_backend(storage, plan: CheckpointPlan, subtask: int):
     meta = read_checkpoint(plan.base_path, plan.restore_checkpoint_id)
     if meta.max_parallelism != plan.max_parallelism:
         raise ValueError(f"checkpoint {meta.checkpoint_id} has max parallelism {meta.max_parallelism}, "
-                         f"the job asks for {plan.max_parallelism}; it cannot change (RESCALING.md §1)")
+                         f"the job asks for {plan.max_parallelism}; it cannot change (docs/rescaling.md §1)")
     old = [subtask_state_to_snapshot(s, meta.max_parallelism) for s in meta.subtasks
            if max(s.key_group_range.start, kgr.start) <= min(s.key_group_range.end, kgr.end)]
     return KeyedStateBackend.restore(storage, plan.operator_id, kgr, plan.max_parallelism, old,
@@ -328,7 +328,7 @@ def _quiet_expected_warnings() -> None:
     # In this integration that is the normal path, not a problem worth a line on the console.
     import logging
 
-    logging.getLogger("dstl.registry").setLevel(logging.ERROR)
+    logging.getLogger("dstl.changelog.registry").setLevel(logging.ERROR)
 
 
 _MEMORY: Dict[Tuple, Any] = {}
@@ -336,7 +336,7 @@ _MEMORY: Dict[Tuple, Any] = {}
 
 def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema):
     """Baseline: the same operator on dict state kept in this worker (lost whenever the worker changes)."""
-    from dstl.spark.activity import MemoryState
+    from dstl.spark.memory import MemoryState
 
     key = (plan.job_id, plan.operator_id, plan.parallelism, subtask)
     state = _MEMORY.setdefault(key, MemoryState())

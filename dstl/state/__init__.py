@@ -6,9 +6,9 @@ from typing import Dict
 from dstl._lazy import lazy_getattr
 
 _EXPORTS: Dict[str, str] = {
-    "KeyedStateBackend": "dstl.state.keyed", "ValueState": "dstl.state.keyed",
-    "ListState": "dstl.state.keyed", "MapState": "dstl.state.keyed",
-    "ReducingState": "dstl.state.keyed", "KeyedStateSnapshot": "dstl.state.keyed",
+    "KeyedStateBackend": "dstl.state.backend", "ValueState": "dstl.state.value",
+    "ListState": "dstl.state.list", "MapState": "dstl.state.map",
+    "ReducingState": "dstl.state.value", "KeyedStateSnapshot": "dstl.state.snapshot",
     "register_serializer": "dstl.state.serializers",
     "OperatorListState": "dstl.state.operator", "OperatorStateHandle": "dstl.state.operator",
     "repartition": "dstl.state.operator",

@@ -3,7 +3,7 @@
 Operation codes are Flink's `StateChangeOperation` codes (flink-statebackend-changelog, checked
 against its source: CLEAR 0, SET 1, SET_INTERNAL 2, ADD 3, MERGE_NS 4, ADD_ELEMENT 5,
 ADD_OR_UPDATE_ELEMENT 6, REMOVE_ELEMENT 7, REMOVE_FIRST_ELEMENT 8, METADATA 9), so a change reads the
-same to anyone who knows Flink's changelog backend (FORMAT.md §2 pins 9 = METADATA):
+same to anyone who knows Flink's changelog backend (docs/format.md §2 pins 9 = METADATA):
 
 | code | name | dstl body (msgpack array unless noted) | produced by |
 |---|---|---|---|

@@ -77,7 +77,7 @@ class Materialization:
                 f"confirmed={self.confirmed})")
 
 
-# entries (keys) per KEY_GROUP_SNAPSHOT change: bounds the size of one change (FORMAT.md lengths are
+# entries (keys) per KEY_GROUP_SNAPSHOT change: bounds the size of one change (docs/format.md lengths are
 # int32) and the memory a materialization holds at once; a big key group becomes several changes
 CHUNK_ENTRIES = 50_000
 

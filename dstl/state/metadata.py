@@ -46,7 +46,7 @@ class CheckpointJobMismatchError(DstlError, ValueError):
 
 
 def _changelog_handle_type():
-    from dstl.handles import ChangelogStateHandleStreamImpl
+    from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 
     return ChangelogStateHandleStreamImpl
 
@@ -100,13 +100,13 @@ class SubtaskState:
 
     @classmethod
     def from_keyed_snapshot(cls, index: int, snapshot: Any, operator_state: Sequence[Any] = ()) -> "SubtaskState":
-        """From a `KeyedStateSnapshot` (dstl.state.keyed) and the subtask's operator state handles."""
+        """From a `KeyedStateSnapshot` (dstl.state.snapshot) and the subtask's operator state handles."""
         return cls(index, snapshot.key_group_range, snapshot.materialized,
                    [snapshot.changelog] if snapshot.changelog is not None else [], operator_state)
 
     def to_keyed_snapshot(self, max_parallelism: Optional[int] = None, checkpoint_id: Optional[int] = None):
         """The keyed part as a `KeyedStateSnapshot` for `KeyedStateBackend.restore`."""
-        from dstl.state.keyed import KeyedStateSnapshot
+        from dstl.state.snapshot import KeyedStateSnapshot
 
         if len(self.changelog) > 1:
             raise ValueError(f"subtask {self.index} has {len(self.changelog)} changelog handles; "

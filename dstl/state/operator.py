@@ -1,4 +1,4 @@
-"""Operator (non-keyed) list state and its redistribution on rescale, as Flink's FLIP-8 (RESCALING.md §5).
+"""Operator (non-keyed) list state and its redistribution on rescale, as Flink's FLIP-8 (docs/rescaling.md §5).
 
 A subtask's operator state is snapshotted in full at every checkpoint: every registered
 `OperatorListState` becomes a list of units (partitions) written one after the other into a single
@@ -368,7 +368,7 @@ def _broadcast(states: Dict[str, List[Tuple[int, _Entry]]], merge: List[_MergeMa
 
 def repartition(old_states_per_subtask: Sequence[Sequence[OperatorStateHandle]],
                 new_parallelism: int) -> List[List[OperatorStateHandle]]:
-    """Assign the old subtasks' operator state to `new_parallelism` subtasks (RESCALING.md §5).
+    """Assign the old subtasks' operator state to `new_parallelism` subtasks (docs/rescaling.md §5).
 
     `split_distribute` units are dealt round robin with a rotating start, `union` states go whole to
     every subtask, `broadcast` states give subtask i entry i % (number of entries). With the

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dstl.spark import pipeline
+    from dstl.app import pipeline
 
     target = os.path.abspath(args.dir)
     if os.path.exists(target):

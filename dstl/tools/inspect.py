@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from dstl.compression import FLAG_RAW, FLAG_SNAPPY, FLAG_ZSTD, snappy_chunks
+from dstl.format.compression import FLAG_RAW, FLAG_SNAPPY, FLAG_ZSTD, snappy_chunks
 from dstl.errors import CorruptChangelogError
 from dstl.tools._read import compact_groups, read_bytes
 

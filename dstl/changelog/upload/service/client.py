@@ -1,0 +1,611 @@
+"""The writer-process side of the upload service: connection, scheduler and registry proxies.
+
+`open_service_client(config, job_id, metrics)` connects to the host's service for `config` (starting
+it under the file lock if none runs) and returns `(scheduler, registry)`:
+
+* `ProcessUploadScheduler` (a `StateChangeUploadScheduler`): `upload(task)` waits while the service
+  reports back-pressure, copies the task's sealed bodies once into a new shared-memory segment and
+  sends a descriptor; results and failures come back on a reader thread and are delivered to the
+  task on a callback thread (so a callback that uploads again never blocks the reader).
+* `ServiceRegistryProxy` (the `TaskChangelogRegistry` interface): every call is a message to the
+  service's registry process.
+
+If the service dies, every pending task fails at once with `UploadServiceError`, later uploads fail
+the same way, and handles already returned stay readable (they are plain files).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import CancelledError, Future
+from multiprocessing.connection import Client
+from multiprocessing.reduction import ForkingPickler
+from typing import Dict, Optional, Tuple
+
+from dstl.errors import UploadServiceError
+from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
+from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
+from dstl.changelog.upload.throttle import AvailabilityProvider
+
+log = logging.getLogger("dstl.changelog.upload.service.client")
+
+START_TIMEOUT_S = 60.0
+LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
+FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "log = open(sys.argv[1], 'ab')\n"
+    "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,"
+    " start_new_session=True)\n"
+    "print(p.pid)\n"
+)
+
+
+def _package_root() -> str:
+    import dstl
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(dstl.__file__)))
+
+
+def _start_service(paths: ServicePaths, config) -> int:
+    """Launch the service detached (through a short-lived launcher, so it is nobody's zombie); its pid."""
+    import json
+
+    tmp = paths.config_file + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(config.replace(upload_mode="thread").to_mapping(as_strings=True), f)
+    os.replace(tmp, paths.config_file)
+    paths.authkey(create=True)
+    env = dict(os.environ)
+    root = _package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, paths.log_file, sys.executable, "-m",
+                          "dstl.changelog.upload.service.server", paths.directory], env=env, check=True, timeout=60,
+                         stdout=subprocess.PIPE, text=True)
+    return int(out.stdout.strip())
+
+
+def _log_tail(paths: ServicePaths, n: int = 2000) -> str:
+    try:
+        with open(paths.log_file, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _try_connect(paths: ServicePaths):
+    if not os.path.exists(paths.socket):
+        return None
+    try:
+        return Client(paths.socket, family="AF_UNIX", authkey=paths.authkey())
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None
+    except OSError as exc:
+        log.warning("could not connect to the upload service at %s: %s", paths.socket, exc)
+        return None
+
+
+def _connect(paths: ServicePaths, config):
+    """Connect to the running service or start one; the flock makes racing writers start only one."""
+    with file_lock(paths.lock, timeout_s=START_TIMEOUT_S):
+        conn = _try_connect(paths)
+        if conn is None:
+            try:
+                os.unlink(paths.socket)  # a dead service's socket
+            except FileNotFoundError:
+                pass
+            pid = _start_service(paths, config)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while conn is None:
+                if not pid_alive(pid):
+                    raise UploadServiceError(f"the upload service (pid {pid}) exited during start-up; "
+                                             f"{paths.log_file} ends with:\n{_log_tail(paths)}")
+                if time.monotonic() > deadline:
+                    raise UploadServiceError(
+                        f"the upload service did not start within {START_TIMEOUT_S:.0f} s; see {paths.log_file}")
+                time.sleep(0.005)
+                conn = _try_connect(paths)
+        cid = secrets.token_hex(4)
+        conn.send(("hello", cid, os.getpid()))
+        if not conn.poll(START_TIMEOUT_S):
+            conn.close()
+            raise UploadServiceError("the upload service did not answer")
+        welcome = conn.recv()
+        if welcome[0] != "welcome":
+            conn.close()
+            raise UploadServiceError(f"the upload service refused the connection: {welcome[1:]}")
+    return conn, cid, welcome
+
+
+class ServiceConnection:
+    """One client's connection: sends requests, reads results, pushes back-pressure changes."""
+
+    def __init__(self, paths: ServicePaths, config, metrics=None):
+        self.paths = paths
+        self.config = config
+        self.metrics = metrics
+        self.conn, self.cid, welcome = _connect(paths, config)
+        _, self.instance, self.service_pid, self.max_in_flight, available, in_flight = welcome
+        self.prefix = shm.segment_prefix(self.instance, os.getpid(), self.cid)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._pending: Dict[int, Tuple[object, str]] = {}
+        self._calls: Dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._seen_batches: Dict[int, None] = {}
+        self.broken: Optional[BaseException] = None
+        self.closing = False
+        self._closed_event = threading.Event()
+        self.availability = AvailabilityProvider()
+        self.available = bool(available)
+        if not self.available:
+            self.availability._set_unavailable()
+        self.gauges = (in_flight, 0, int(self.available))
+        self._users = 2  # the scheduler and the registry proxy
+        self._free: list = []  # (name, size) of segments of finished tasks, reused LIFO
+        self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
+        self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
+        self._callbacks: "queue.Queue" = queue.Queue()
+        threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
+        self._reader.start()
+        self.last_heard = time.monotonic()
+        liveness = float(os.environ.get("DSTL_SERVICE_LIVENESS_MS", LIVENESS_S * 1000)) / 1000.0
+        self.liveness_s = max(liveness, config.upload_timeout_ms / 1000.0)
+        threading.Thread(target=self._watchdog, name="dstl-service-watchdog", daemon=True).start()
+        _open_connections.add(self)
+
+    # ---- sending ---------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        if self.broken is not None:
+            raise self._error()
+        buf = ForkingPickler.dumps(msg)  # what Connection.send does, but we count the bytes
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(buf)
+                self.bytes_sent += len(buf)
+        except (OSError, EOFError, ValueError) as exc:
+            self._break(exc)
+            raise self._error() from exc
+
+    def _error(self) -> UploadServiceError:
+        err = UploadServiceError(f"the upload service (pid {self.service_pid}) is gone: {self.broken}")
+        return err
+
+    def call(self, name: str, args=None, timeout: float = 60.0):
+        """A request with a reply (ping, status, count, sync)."""
+        fut: Future = Future()
+        call_id = next(self._ids)
+        with self._lock:
+            self._calls[call_id] = fut
+        try:
+            self.send(("call", call_id, name, args))
+            return fut.result(timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    # ---- uploads ---------------------------------------------------------------------------
+    def wait_available(self) -> None:
+        with self._lock:
+            while not self.available and self.broken is None and not self.closing:
+                self._lock.wait()
+
+    def submit(self, task, job_id: str, local_dir: Optional[str]) -> None:
+        """Copy the bodies into a new segment and send the descriptor (caller checked state)."""
+        task_id = next(self._ids)
+        sets = task.change_sets
+        with self._lock:
+            reused = self._free.pop() if self._free else None
+        if reused is not None:
+            name = reused[0]
+            try:
+                total, spans = shm.create_segment(name, [cs.body for cs in sets], reuse=True)
+            except FileNotFoundError:  # swept meanwhile: make a new one
+                reused = None
+        if reused is None:
+            name = f"{self.prefix}{task_id}"
+            total, spans = shm.create_segment(name, [cs.body for cs in sets])
+        self.bytes_shared += total
+        items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
+                 for (off, n), cs in zip(spans, sets)]
+        with self._lock:
+            self._pending[task_id] = (task, name)
+        try:
+            self.send(("upload", task_id, job_id, local_dir, name, items, task.size))
+        except UploadServiceError as exc:
+            with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
+                entry = self._pending.pop(task_id, None)
+            if entry is not None:
+                shm.unlink(name)
+                self._callbacks.put((task.fail, (exc,)))
+
+    # ---- receiving -------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+                self.last_heard = time.monotonic()
+            except (EOFError, OSError) as exc:
+                if not (self.closing and self._closed_event.is_set()):
+                    self._break(exc if str(exc) else EOFError("connection closed"))
+                return
+            except Exception as exc:  # an unpicklable message: the protocol is broken
+                self._break(exc)
+                return
+            kind = msg[0]
+            if kind == "done":
+                self._on_done(msg)
+            elif kind == "failed":
+                self._on_failed(msg)
+            elif kind == "avail":
+                self._on_avail(msg[1], msg[2])
+            elif kind == "reply":
+                with self._lock:
+                    fut = self._calls.get(msg[1])
+                if fut is not None and not fut.done():
+                    if msg[2]:
+                        fut.set_result(msg[3])
+                    else:
+                        fut.set_exception(msg[3])
+            elif kind == "closed":
+                self._closed_event.set()
+
+    def _watchdog(self) -> None:
+        """A service that stops answering (stopped, hung) must not hang the writers: while uploads are
+        pending and nothing was heard for `liveness_s`, ping it; no answer within `liveness_s` breaks the
+        connection, which fails every pending upload with UploadServiceError."""
+        while self.broken is None and not self._closed_event.is_set():
+            time.sleep(min(1.0, self.liveness_s / 4))
+            with self._lock:
+                busy = bool(self._pending)
+            if not busy or time.monotonic() - self.last_heard < self.liveness_s:
+                continue
+            try:
+                self.call("ping", 0, timeout=self.liveness_s)
+            except Exception as exc:
+                if self.broken is None and not self._closed_event.is_set():
+                    self._break(TimeoutError(f"no answer for {2 * self.liveness_s:.0f} s ({exc!r})"))
+                return
+
+    def _on_avail(self, available: bool, gauges) -> None:
+        pending = None
+        with self._lock:
+            self.gauges = gauges
+            self.available = available
+            if available:
+                pending = self.availability._swap_available()
+            else:
+                self.availability._set_unavailable()
+            self._lock.notify_all()
+        if pending is not None:
+            pending.set_result(None)
+
+    def _take(self, task_id: int):
+        with self._lock:
+            entry = self._pending.pop(task_id, None)
+            keep = entry is not None and len(self._free) < FREE_SEGMENTS and self.broken is None \
+                and not self.closing
+            if keep:
+                self._free.append((entry[1], 0))
+        if entry is not None and not keep:
+            shm.unlink(entry[1])  # this client owns its segments (see shm.py)
+        return entry
+
+    def _on_done(self, msg) -> None:
+        _, task_id, path, local_path, logical_size, results, metrics, gauges = msg
+        self.gauges = gauges
+        entry = self._take(task_id)
+        self._record(metrics)
+        if entry is not None:
+            self._callbacks.put((_complete, (entry[0], path, local_path, logical_size, results)))
+
+    def _on_failed(self, msg) -> None:
+        _, task_id, exc, metrics, gauges = msg
+        self.gauges = gauges
+        entry = self._take(task_id)
+        self._record(metrics)
+        if entry is not None:
+            self._callbacks.put((entry[0].fail, (exc,)))
+
+    def _record(self, m: Optional[dict]) -> None:
+        """Apply a batch's metrics once, however many of this client's tasks were in it."""
+        if not m or self.metrics is None:
+            return
+        batch_id = m.get("batch_id")
+        with self._lock:
+            if batch_id in self._seen_batches:
+                return
+            self._seen_batches[batch_id] = None
+            if len(self._seen_batches) > 4096:
+                self._seen_batches.pop(next(iter(self._seen_batches)))
+        g = self.metrics
+        g.upload_requests.inc(m["requests"])
+        g.upload_failures.inc(m["failures"])
+        for v in m["sizes"]:
+            g.upload_sizes.update(v)
+        for v in m["latencies"]:
+            g.upload_latencies_nanos.update(v)
+        if "attempts" in m:
+            g.attempts_per_upload.update(m["attempts"])
+            g.total_attempts_per_upload.update(m["total_attempts"])
+        if "batch" in m:
+            g.upload_batch_sizes.update(m["batch"])
+
+    def _callback_loop(self) -> None:
+        while True:
+            fn, args = self._callbacks.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("an upload callback failed")
+
+    def _break(self, exc: BaseException) -> None:
+        """The service is gone: fail everything pending, wake waiters, free our segments."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = exc
+            pending, self._pending = self._pending, {}
+            calls = list(self._calls.values())
+            free, self._free = self._free, []
+            self._lock.notify_all()
+        for name, _ in free:
+            shm.unlink(name)
+        log.error("lost the upload service (pid %s): %s", self.service_pid, exc)
+        err = self._error()
+        for task, name in pending.values():
+            shm.unlink(name)
+            self._callbacks.put((task.fail, (err,)))
+        for fut in calls:
+            if not fut.done():
+                fut.set_exception(err)
+        swap = self.availability._swap_available()  # waiters must not hang on a dead service
+        if swap is not None:
+            swap.set_result(None)
+
+    # ---- closing ---------------------------------------------------------------------------
+    def close_uploads(self, timeout_s: float) -> None:
+        """Cancel queued uploads, wait for this client's running attempts, fail what is left."""
+        with self._lock:
+            if self.closing:
+                return
+            self.closing = True
+            self._lock.notify_all()
+        if self.broken is None:
+            try:
+                self.send(("close",))
+                self._closed_event.wait(timeout_s)
+            except UploadServiceError:
+                pass
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            free, self._free = self._free, []
+        for name, _ in free:
+            shm.unlink(name)
+        for task, name in pending.values():
+            shm.unlink(name)
+            self._callbacks.put((task.fail, (CancelledError("the upload scheduler was closed"),)))
+
+    def release_user(self) -> None:
+        """Drop one user (scheduler or registry proxy); the last one closes the connection."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        if not self.closing:
+            self.close_uploads(30.0)
+        self._closed_event.set()
+        hard_close(self.conn)
+        self._callbacks.put((None, None))
+        for name in shm.list_segments(self.prefix):  # nothing of ours may outlive us
+            shm.unlink(name)
+        _open_connections.discard(self)
+
+
+_open_connections: "weakref.WeakSet[ServiceConnection]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for c in list(_open_connections):
+        try:
+            c.shutdown()
+        except Exception:
+            pass
+
+
+def hard_close(conn) -> None:
+    """Shut the socket down before closing it: a plain close() while our reader thread sits in recv()
+    would neither wake that thread nor send the peer its end-of-file."""
+    import socket
+
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.close()
+    except OSError:
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+def _complete(task, path, local_path, logical_size, results) -> None:
+    from dstl.changelog.handles import StreamStateHandle
+    from dstl.types import SequenceNumber
+    from dstl.changelog.upload.task import UploadResult
+
+    handle = StreamStateHandle(path, logical_size)
+    local = StreamStateHandle(local_path, logical_size) if local_path else None
+    task.complete([UploadResult(handle, local, off, loff, SequenceNumber(sqn), size)
+                   for sqn, off, loff, size in results])
+
+
+class ProcessUploadScheduler(StateChangeUploadScheduler):
+    """`StateChangeUploadScheduler` whose batching, retries and uploads run in the host's service."""
+
+    def __init__(self, connection: ServiceConnection, job_id: str, local_dir: Optional[str] = None):
+        self.connection = connection
+        self.job_id = job_id
+        self.local_dir = local_dir
+        self._closed = False
+        cfg = connection.config
+        self._close_timeout_s = max(30.0, cfg.max_attempts * (cfg.upload_timeout_ms + cfg.next_attempt_delay_ms)
+                                    / 1000.0 + 10.0)
+
+    def upload(self, task) -> None:
+        c = self.connection
+        if c.broken is not None:
+            task.fail(c._error())
+            return
+        if self._closed:
+            task.fail(CancelledError("the upload scheduler is closed"))
+            return
+        c.wait_available()
+        if c.broken is not None:
+            task.fail(c._error())
+            return
+        if self._closed or c.closing:
+            task.fail(CancelledError("the upload scheduler was closed while waiting for capacity"))
+            raise CancelledError("the upload scheduler was closed while waiting for capacity")
+        try:
+            c.submit(task, self.job_id, self.local_dir)
+        except OSError as exc:  # e.g. /dev/shm full: the task fails, nothing is lost silently
+            task.fail(exc)
+
+    def get_availability_provider(self) -> AvailabilityProvider:
+        return self.connection.availability
+
+    def _gauges(self) -> tuple:
+        """(in-flight bytes, queued tasks, available) of the whole service, fresh if it answers."""
+        c = self.connection
+        if c.broken is None and not c.closing:
+            try:
+                c.gauges = tuple(c.call("gauges", timeout=2.0))
+            except Exception:
+                pass  # the last pushed values
+        return c.gauges
+
+    def queue_size(self) -> int:
+        return int(self._gauges()[1])
+
+    def in_flight_bytes(self) -> int:
+        return int(self._gauges()[0])
+
+    @property
+    def service_pid(self) -> int:
+        return self.connection.service_pid
+
+    def status(self) -> dict:
+        """The service's pids and counters (operators, tests)."""
+        return self.connection.call("status")
+
+    def flush(self) -> None:
+        """Upload everything the service has queued now (all clients' tasks), without the persist delay."""
+        self.connection.call("flush")
+
+    def ping(self) -> float:
+        """One descriptor-sized round trip to the service, in seconds."""
+        t = time.perf_counter()
+        self.connection.call("ping", 0)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.connection.close_uploads(self._close_timeout_s)
+        self.connection.release_user()
+
+    def __repr__(self) -> str:
+        return f"ProcessUploadScheduler(service pid {self.connection.service_pid}, job {self.job_id})"
+
+
+class ServiceRegistryProxy:
+    """`TaskChangelogRegistry` interface, served by the service's registry process."""
+
+    def __init__(self, connection: ServiceConnection):
+        self.connection = connection
+        self._closed = False
+
+    def _op(self, kind: str, handle, *args) -> None:
+        try:
+            self.connection.send(("reg", kind, handle.handle_id, *args))
+        except UploadServiceError as exc:
+            # nothing to release any more: the service that tracked the file is gone (gc is the net)
+            log.warning("registry %s of %s not delivered: %s", kind, handle.handle_id, exc)
+
+    def start_tracking(self, handle, ref_count: int) -> None:
+        if isinstance(ref_count, bool) or not isinstance(ref_count, int) or ref_count <= 0:
+            raise ValueError(f"ref_count must be a positive int, got {ref_count!r}")
+        self._op("start", handle, ref_count)
+
+    def stop_tracking(self, handle) -> None:
+        self._op("stop", handle)
+
+    def release(self, handle) -> None:
+        self._op("release", handle)
+
+    def ref_count(self, handle) -> Optional[int]:
+        return self.connection.call("count", handle.handle_id)
+
+    def wait_for_deletions(self, timeout: Optional[float] = None) -> bool:
+        """Block until the deletions requested so far ran (the registry applies operations in order)."""
+        try:
+            self.connection.call("sync", timeout=timeout if timeout is not None else 120.0)
+            return True
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.connection.broken is None:
+            self.wait_for_deletions(60.0)
+        self.connection.release_user()
+
+    def __repr__(self) -> str:
+        return f"ServiceRegistryProxy(service pid {self.connection.service_pid})"
+
+
+def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: Optional[str] = None
+                        ) -> Tuple[ProcessUploadScheduler, ServiceRegistryProxy]:
+    """Connect to (or start) the host's upload service for `config`; returns (scheduler, registry)."""
+    from dstl.config import StorageConfig
+
+    config = StorageConfig.of(config)
+    if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"job_id must be a non-empty name without '/', got {job_id!r}")
+    from dstl.changelog.upload.service.registry_proc import orphan_grace_ms
+
+    orphan_grace_ms()  # a bad DSTL_ORPHAN_GRACE_MS is reported here, not only in the service's log
+    if local_recovery_dir:  # the service resolves paths in its own working directory
+        local_recovery_dir = os.path.abspath(local_recovery_dir)
+    paths = ServicePaths.for_config(config)
+    connection = ServiceConnection(paths, config, metrics)
+    return ProcessUploadScheduler(connection, job_id, local_recovery_dir), ServiceRegistryProxy(connection)
+
+
+__all__ = ["open_service_client", "ProcessUploadScheduler", "ServiceRegistryProxy", "ServiceConnection"]

@@ -1,0 +1,575 @@
+"""The upload service process: batching, back-pressure and retries for every client on the host.
+
+Run as `python -m dstl.changelog.upload.service.server <service dir>` (clients start it; see `client.py`).
+Threads: one accepting connections, one per client reading its messages, the RetryingExecutor's
+attempt threads (each drives one attempt in an uploader process), timers. Children: the uploader pool
+and the registry process (both forked from a forkserver).
+
+Semantics are docs/semantics.md §7.3 over all clients: `in_flight` counts the bytes of every client, the
+availability change is pushed to every client, batches are cut by persist delay / size threshold and
+grouped by job (one file per job and local-recovery directory per drain).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import Counter as _Counter
+from concurrent.futures import CancelledError
+from multiprocessing.connection import Listener
+from typing import Dict, List, Optional
+
+from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
+
+log = logging.getLogger("dstl.changelog.upload.service")
+
+LINGER_MS_DEFAULT = 2000
+_batch_ids = itertools.count(1)
+
+
+class _Client:
+    __slots__ = ("cid", "pid", "conn", "send_lock", "alive", "closing", "tasks", "prefix")
+
+    def __init__(self, cid: str, pid: int, conn, prefix: str):
+        self.cid, self.pid, self.conn, self.prefix = cid, pid, conn, prefix
+        self.send_lock = threading.Lock()
+        self.alive = True
+        self.closing = False
+        self.tasks: Dict[int, "_Task"] = {}
+
+    def send(self, msg) -> None:
+        if not self.alive:
+            return
+        try:
+            with self.send_lock:
+                self.conn.send(msg)
+        except (OSError, EOFError):
+            pass  # the reader thread sees the connection drop and cleans up
+
+
+class _Task:
+    __slots__ = ("client", "task_id", "group", "segment", "items", "size", "state")
+
+    def __init__(self, client: _Client, task_id: int, group: tuple, segment: str, items: list, size: int):
+        self.client, self.task_id, self.group = client, task_id, group
+        self.segment, self.items, self.size = segment, items, size
+        self.state = "queued"
+
+
+class _BatchAction:
+    """RetriableAction: one attempt = one uploader process writes every task of the batch into one file."""
+
+    def __init__(self, service: "UploadService", tasks: List[_Task]):
+        self.service = service
+        self.tasks = tasks
+        self.lock = threading.Lock()
+        self.attempts = 0
+        self.metrics = {"requests": 0, "failures": 0, "sizes": [], "latencies": [],
+                        "batch_id": next(_batch_ids), "batch": len(tasks)}
+        job_id, local_dir = tasks[0].group
+        cfg = service.config
+        self.job = {
+            "base_path": cfg.base_path, "job_id": job_id, "local_dir": local_dir,
+            "compression": cfg.compression, "buffer_size": cfg.upload_buffer_size,
+            "tasks": [(t.task_id, t.segment, t.items) for t in tasks],
+        }
+
+    def _record(self, m: Optional[dict], exc: Optional[BaseException] = None) -> None:
+        with self.lock:
+            if m is None:  # the worker died: count the attempt as a failed I/O request
+                m = {"requests": 1, "failures": 1 if isinstance(exc, OSError) else 0, "sizes": [], "latencies": []}
+            self.metrics["requests"] += m["requests"]
+            self.metrics["failures"] += m["failures"]
+            self.metrics["sizes"] += m["sizes"]
+            self.metrics["latencies"] += m["latencies"]
+
+    def try_execute(self):
+        with self.lock:
+            self.attempts += 1
+            n = self.attempts
+        job = dict(self.job, file_name=str(uuid.uuid4()))
+        try:
+            res = self.service.pool.run(job)
+        except BaseException as exc:
+            self._record(getattr(exc, "dstl_metrics", None), exc)
+            partial = getattr(exc, "partial_file", None)
+            if partial:  # a killed uploader cannot clean up after itself
+                self.service.registry.submit("discard", partial)
+            raise
+        self._record(res["metrics"])
+        return n, res
+
+    def complete_with_result(self, result) -> None:
+        n, res = result
+        with self.lock:
+            self.metrics["attempts"] = n
+            self.metrics["total_attempts"] = self.attempts
+        self.service.batch_succeeded(self, res)
+
+    def discard_result(self, result) -> None:
+        _, res = result
+        for p in (res["path"], res["local_path"]):
+            if p:
+                self.service.registry.submit("discard", p)
+
+    def handle_failure(self, exc: BaseException) -> None:
+        self.service.batch_failed(self, exc)
+
+
+class UploadService:
+    """One service per host and (base path, options)."""
+
+    def __init__(self, paths: ServicePaths, config, linger_ms: int = LINGER_MS_DEFAULT):
+        from dstl.changelog.upload.retry import RetryPolicy
+
+        self.paths = paths
+        self.config = config
+        self.linger_ms = linger_ms
+        self.instance = f"{os.getpid()}x{secrets.token_hex(3)}"
+        self.policy = RetryPolicy.from_config(config)
+        self.lock = threading.RLock()
+        self.clients: Dict[str, _Client] = {}
+        self.queue: List[_Task] = []
+        self.queued_bytes = 0
+        self.in_flight = 0
+        self.available = True
+        self.timer: Optional[threading.Timer] = None
+        self.linger_timer: Optional[threading.Timer] = None
+        self.sticky: Optional[BaseException] = None
+        self.stopping = False
+        self.terminated = False  # set by the SIGTERM handler (a plain attribute: no locks there)
+        self.stopped = threading.Event()
+        self.listener: Optional[Listener] = None
+        self.ctx = None
+        self.pool = None
+        self.registry = None
+        self.executor = None
+        self._ready = threading.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Listen, start the children in the background, serve until the linger after the last client."""
+        from dstl.changelog.upload.retry import RetryingExecutor
+        from dstl.changelog.upload.service.forwarder import RegistryForwarder
+        from dstl.changelog.upload.service.pool import UploaderPool, service_context
+
+        shm.sweep_orphans(pid_alive)
+        try:
+            os.unlink(self.paths.socket)
+        except FileNotFoundError:
+            pass
+        self.listener = Listener(self.paths.socket, family="AF_UNIX", authkey=self.paths.authkey())
+        with open(self.paths.pid_file + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {self.instance}\n")
+        os.replace(self.paths.pid_file + ".tmp", self.paths.pid_file)
+        self.ctx = service_context()
+        self.pool = UploaderPool(self.ctx, self.config.upload_num_threads)
+        self.registry = RegistryForwarder(self.ctx, self.paths.journal_dir, self.config.discard_num_threads,
+                                          self.config.base_path)
+        self.executor = RetryingExecutor(self.config.upload_num_threads)
+        threading.Thread(target=self._start_children, name="dstl-start-children", daemon=True).start()
+        threading.Thread(target=self._accept_loop, name="dstl-accept", daemon=True).start()
+        self._arm_linger()
+        # polled, not a bare wait(): the SIGTERM handler must not take the Event's lock (it may
+        # interrupt this very thread while it holds it)
+        while not self.stopped.wait(0.2) and not self.terminated:
+            pass
+        self._shutdown()
+
+    def _start_children(self) -> None:
+        try:
+            self.registry.start()
+            self.pool.start()
+        except Exception:
+            log.exception("the upload service could not start its processes")
+            with self.lock:
+                self.sticky = self.sticky or OSError("the upload service could not start its processes")
+        self._ready.set()
+
+    def _accept_loop(self) -> None:
+        while not self.stopping:
+            try:
+                conn = self.listener.accept()
+            except Exception:
+                if self.stopping:
+                    return
+                log.warning("rejected a connection", exc_info=True)
+                continue
+            threading.Thread(target=self._serve_client, args=(conn,), name="dstl-client", daemon=True).start()
+
+    def _arm_linger(self) -> None:
+        with self.lock:
+            if self.stopping or self.clients or self.in_flight or self.queue:
+                return
+            if self.linger_timer is None:
+                self.linger_timer = threading.Timer(self.linger_ms / 1000.0, self._linger_expired)
+                self.linger_timer.daemon = True
+                self.linger_timer.start()
+
+    def _linger_expired(self) -> None:
+        # the file lock orders this against clients connecting (they hold it while saying hello)
+        with file_lock(self.paths.lock):
+            with self.lock:
+                self.linger_timer = None
+                if self.clients or self.in_flight or self.queue or self.stopping:
+                    return
+                self.stopping = True
+            for p in (self.paths.socket, self.paths.pid_file):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            try:
+                self.listener.close()
+            except OSError:
+                pass
+        self.stopped.set()
+
+    def _shutdown(self) -> None:
+        with self.lock:
+            self.stopping = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        if self.paths.read_pid() == os.getpid():  # SIGTERM: the linger path removed them already
+            for p in (self.paths.socket, self.paths.pid_file):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        self._ready.wait(120)
+        with self.lock:  # SIGTERM with tasks still waiting for their batch: they will not be uploaded
+            queued, self.queue = self.queue, []
+            self.queued_bytes = 0
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+        if queued:
+            self._fail_tasks(queued, CancelledError("the upload service is stopping"), None)
+        self.executor.close(wait=True)
+        self.pool.close()
+        self.registry.stop()
+        n = shm.sweep(f"{shm.PREFIX}{self.instance}_")
+        if n:
+            log.warning("unlinked %d shared memory segments left by clients", n)
+
+    # ---- clients ---------------------------------------------------------------------------
+    def _serve_client(self, conn) -> None:
+        client: Optional[_Client] = None
+        try:
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    break
+                kind = msg[0]
+                if kind == "hello":
+                    client = self._hello(conn, msg)
+                    if client is None:
+                        break
+                elif client is None:
+                    break
+                elif kind == "upload":
+                    self._upload(client, msg)
+                elif kind == "reg":
+                    self._registry_op(client, msg)
+                elif kind == "call":
+                    self._call(client, msg)
+                elif kind == "close":
+                    self._client_closing(client)
+                else:
+                    log.warning("unknown message %r from client %s", kind, client.cid)
+        finally:
+            if client is not None:
+                self._client_gone(client)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _hello(self, conn, msg) -> Optional[_Client]:
+        _, cid, pid = msg[:3]
+        prefix = shm.segment_prefix(self.instance, pid, cid)
+        client = _Client(cid, pid, conn, prefix)
+        with self.lock:
+            refused = self.stopping
+            if not refused:
+                self.clients[cid] = client
+            if self.linger_timer is not None:
+                self.linger_timer.cancel()
+                self.linger_timer = None
+            welcome = ("welcome", self.instance, os.getpid(), self.config.max_in_flight, self.available,
+                       self.in_flight)
+        if refused:
+            client.send(("refused", "the service is stopping"))
+            return None
+        client.send(welcome)
+        return client
+
+    def _upload(self, client: _Client, msg) -> None:
+        _, task_id, job_id, local_dir, segment, items, size = msg
+        task = _Task(client, task_id, (job_id, local_dir), segment, items, size)
+        with self.lock:
+            if self.sticky is not None or client.closing or self.stopping:
+                exc = self.sticky if self.sticky is not None else CancelledError("the upload scheduler is closed")
+                fail = True
+            else:
+                fail = False
+                client.tasks[task_id] = task
+                self.in_flight += size
+                became_unavailable = self.available and self.in_flight >= self.config.max_in_flight
+                if became_unavailable:
+                    self.available = False
+                self.queue.append(task)
+                self.queued_bytes += size
+        if fail:
+            client.send(("failed", task_id, exc, None, self._gauges()))
+            return
+        if became_unavailable:
+            self._broadcast_availability(False)
+        self._flush_if_needed()
+
+    def _flush_if_needed(self) -> None:
+        cfg = self.config
+        with self.lock:
+            if not self.queue:
+                return
+            if cfg.persist_delay_ms == 0 or self.queued_bytes >= cfg.persist_size_threshold:
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+                drain_now = True
+            else:
+                drain_now = False
+                if self.timer is None:
+                    self.timer = threading.Timer(cfg.persist_delay_ms / 1000.0, self._drain)
+                    self.timer.daemon = True
+                    self.timer.start()
+        if drain_now:
+            self._drain()
+
+    def _drain(self) -> None:
+        with self.lock:
+            tasks, self.queue = self.queue, []
+            self.queued_bytes = 0
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            for t in tasks:
+                t.state = "flight"
+            sticky = self.sticky
+        if not tasks:
+            return
+        if sticky is not None:
+            self._fail_tasks(tasks, sticky, None)
+            return
+        groups: Dict[tuple, List[_Task]] = {}
+        for t in tasks:  # FIFO inside each group
+            groups.setdefault(t.group, []).append(t)
+        for group_tasks in groups.values():
+            action = _BatchAction(self, group_tasks)
+            try:
+                self.executor.execute(self.policy, action)
+            except BaseException as exc:
+                if not isinstance(exc, OSError):
+                    with self.lock:
+                        self.sticky = self.sticky or exc
+                self._fail_tasks(group_tasks, exc, action.metrics)
+
+    # ---- outcomes --------------------------------------------------------------------------
+    def _gauges(self) -> tuple:
+        with self.lock:
+            return self.in_flight, len(self.queue), int(self.available)
+
+    def _release(self, size: int) -> None:
+        with self.lock:
+            self.in_flight -= size
+            regained = not self.available and self.in_flight < self.config.max_in_flight
+            if regained:
+                self.available = True
+        if regained:
+            self._broadcast_availability(True)
+
+    def _broadcast_availability(self, available: bool) -> None:
+        with self.lock:
+            clients = [c for c in self.clients.values() if c.alive]
+            gauges = (self.in_flight, len(self.queue), int(self.available))
+        for c in clients:
+            c.send(("avail", available, gauges))
+
+    def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
+        shares = _Counter()
+        for t in action.tasks:
+            shares[t.client.cid] += len(t.items)
+        for path, n in res["started"]:
+            self.registry.submit("start", path, n, dict(shares))
+        dead = set()
+        for t, results in zip(action.tasks, res["tasks"]):
+            self._release(t.size)
+            self._finish_task(t)
+            if t.client.alive:
+                t.client.send(("done", t.task_id, res["path"], res["local_path"], res["logical_size"], results,
+                               action.metrics, self._gauges()))
+            else:
+                dead.add(t.client)
+        for c in dead:
+            if not c.closing:
+                self.registry.submit("drop_client", c.cid, int(time.time() * 1000))
+        self._after_finish(action.tasks)
+
+    def batch_failed(self, action: _BatchAction, exc: BaseException) -> None:
+        self._fail_tasks(action.tasks, exc, action.metrics)
+
+    def _fail_tasks(self, tasks: List[_Task], exc: BaseException, metrics: Optional[dict]) -> None:
+        for t in tasks:
+            self._release(t.size)
+            self._finish_task(t)
+            t.client.send(("failed", t.task_id, exc, metrics, self._gauges()))
+        self._after_finish(tasks)
+
+    def _finish_task(self, t: _Task) -> None:
+        with self.lock:
+            t.state = "done"
+            t.client.tasks.pop(t.task_id, None)
+        if not t.client.alive:
+            shm.unlink(t.segment)  # the owner is gone: the service inherits its segments
+
+    def _after_finish(self, tasks: List[_Task]) -> None:
+        for c in {t.client for t in tasks}:
+            with self.lock:
+                idle = not c.tasks
+            if idle and c.closing and c.alive:
+                c.send(("closed",))
+            if idle and not c.alive:
+                shm.sweep(c.prefix)
+        self._arm_linger()
+
+    def _client_closing(self, client: _Client) -> None:
+        with self.lock:
+            client.closing = True
+            mine = [t for t in self.queue if t.client is client]
+            self.queue = [t for t in self.queue if t.client is not client]
+            self.queued_bytes -= sum(t.size for t in mine)
+            idle_after = all(t in mine for t in client.tasks.values())
+        for t in mine:
+            self._release(t.size)
+            self._finish_task(t)
+            client.send(("failed", t.task_id, CancelledError("the upload scheduler was closed"), None,
+                         self._gauges()))
+        if idle_after:
+            client.send(("closed",))
+
+    def _client_gone(self, client: _Client) -> None:
+        with self.lock:
+            client.alive = False
+            self.clients.pop(client.cid, None)
+            mine = [t for t in self.queue if t.client is client]
+            self.queue = [t for t in self.queue if t.client is not client]
+            self.queued_bytes -= sum(t.size for t in mine)
+            in_use = {t.segment for t in client.tasks.values() if t.state == "flight"}
+        for t in mine:
+            self._release(t.size)
+            self._finish_task(t)
+        if not client.closing:
+            log.warning("client %s (pid %s) disconnected without closing: reclaiming its memory; its "
+                        "unconfirmed files become orphans (deleted after the grace period unless a "
+                        "checkpoint references them)",
+                        client.cid, client.pid)
+            self.registry.submit("drop_client", client.cid, int(time.time() * 1000))
+        for name in shm.list_segments(client.prefix):
+            if name not in in_use:
+                shm.unlink(name)
+        self._arm_linger()
+
+    # ---- registry and calls ----------------------------------------------------------------
+    def _registry_op(self, client: _Client, msg) -> None:
+        _, kind, path = msg[:3]
+        if kind == "start":
+            n = int(msg[3])
+            self.registry.submit("start", path, n, {client.cid: n})
+        elif kind == "stop":
+            self.registry.submit("stop", path)
+        elif kind == "release":
+            self.registry.submit("release", path, client.cid)
+        else:
+            log.warning("unknown registry operation %r", kind)
+
+    def _call(self, client: _Client, msg) -> None:
+        _, call_id, name, args = msg
+
+        def answer():
+            try:
+                if name == "ping":
+                    value = args
+                elif name == "status":
+                    self._ready.wait(60)
+                    value = self.status()
+                elif name == "count":
+                    value = self.registry.query("count", args)
+                elif name == "gauges":
+                    value = self._gauges()
+                elif name == "flush":
+                    self._drain()
+                    value = None
+                elif name == "sync":
+                    value = self.registry.query("sync", timeout=120)
+                else:
+                    raise ValueError(f"unknown call {name!r}")
+                client.send(("reply", call_id, True, value))
+            except BaseException as exc:
+                client.send(("reply", call_id, False, exc))
+
+        if name == "ping":
+            answer()  # on the reader thread: this is what the latency benchmark measures
+        else:
+            threading.Thread(target=answer, daemon=True).start()
+
+    def status(self) -> dict:
+        with self.lock:
+            return {
+                "pid": os.getpid(), "instance": self.instance,
+                "registry_pid": self.registry.pid if self.registry else None,
+                "registry_restarts": self.registry.restarts if self.registry else 0,
+                "uploader_pids": self.pool.pids() if self.pool else [],
+                "clients": sorted(self.clients), "in_flight": self.in_flight, "queued": len(self.queue),
+                "available": self.available,
+            }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    paths = ServicePaths(argv[0])
+    from dstl.config import StorageConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s service %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # operators: `kill -USR1 <pid>` dumps stacks to the log
+    with open(paths.config_file) as f:
+        config = StorageConfig.from_mapping(json.load(f))
+    linger = int(os.environ.get("DSTL_SERVICE_LINGER_MS", LINGER_MS_DEFAULT))
+    from dstl.changelog.upload.service.worker import _preload_user_modules
+
+    _preload_user_modules()
+    service = UploadService(paths, config, linger)
+
+    def on_term(_signo, _frame):  # stop accepting, finish what runs, clean up, exit
+        service.terminated = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    service.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

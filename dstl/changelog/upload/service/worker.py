@@ -1,0 +1,197 @@
+"""Uploader pool process: one attempt per job, payload read straight from shared memory.
+
+The attempt itself is C2's `StateChangeFsUploader.upload` (compression, CRCs, exclusive create,
+partial-file cleanup, local-recovery copy); this module only rebuilds the tasks around memoryviews of
+the segments and reports the outcome as plain data. `start_tracking` calls are collected and returned:
+the service applies them in its registry only for the winning attempt.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from typing import Dict, List, Tuple
+
+log = logging.getLogger("dstl.changelog.upload.service.worker")
+
+
+class _Counter:
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.count += n
+
+
+class _Values:
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: List[int] = []
+
+    def update(self, v) -> None:
+        self.values.append(int(v))
+
+
+class _AttemptMetrics:
+    """What one attempt records; shipped back to the clients whose tasks were in the batch."""
+
+    def __init__(self) -> None:
+        self.upload_requests = _Counter()
+        self.upload_failures = _Counter()
+        self.upload_sizes = _Values()
+        self.upload_latencies_nanos = _Values()
+
+    def as_dict(self) -> dict:
+        return {"requests": self.upload_requests.count, "failures": self.upload_failures.count,
+                "sizes": self.upload_sizes.values, "latencies": self.upload_latencies_nanos.values}
+
+
+class _CollectingRegistry:
+    def __init__(self) -> None:
+        self.started: List[Tuple[str, int]] = []
+
+    def start_tracking(self, handle, n: int) -> None:
+        self.started.append((handle.path, n))
+
+    def stop_tracking(self, handle) -> None:  # never called on an attempt's own path
+        pass
+
+
+def _noop(*_a) -> None:
+    pass
+
+
+_uploaders: Dict[tuple, object] = {}
+
+
+def intended_url(job: dict) -> str:
+    """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
+    import fsspec
+
+    from dstl.changelog.handles import is_local_filesystem
+
+    fs, root = fsspec.core.url_to_fs(job["base_path"])
+    root = root.rstrip("/") if root not in ("/", "") else root
+    path = f"{root.rstrip('/')}/{job['job_id']}/dstl/{job['file_name']}"
+    return path if is_local_filesystem(fs) else fs.unstrip_protocol(path)
+
+
+def run_attempt(job: dict) -> dict:
+    """Upload one batch. `job`: base_path, job_id, local_dir, compression, buffer_size and
+    `tasks`: [(task_key, segment, [(offset, length, log_id_bytes, sqn, size, num_changes)])].
+
+    Returns path, local_path, logical_size, started ([(path, n)]), metrics and per task
+    [(sqn, offset, local_offset, size)] in file order.
+    """
+    from dstl.types import SealedChangeSet
+    from dstl.changelog.upload.service import shm
+    from dstl.changelog.upload.task import UploadTask
+    from dstl.changelog.upload.uploader import StateChangeFsUploader
+
+    metrics = _AttemptMetrics()
+    registry = _CollectingRegistry()
+    key = (job["base_path"], job["job_id"], job["local_dir"], job["compression"], job["buffer_size"])
+    uploader = _uploaders.get(key)
+    if uploader is None:
+        uploader = StateChangeFsUploader(job["base_path"], job["job_id"], job["compression"],
+                                         job["buffer_size"], registry, metrics, job["local_dir"])
+        _uploaders[key] = uploader
+    uploader.registry = registry
+    uploader.metrics = metrics
+    segments = {}
+    views = []
+    tasks = []
+    try:
+        for _task_key, seg_name, items in job["tasks"]:
+            seg = segments.get(seg_name)
+            if seg is None:
+                seg = segments[seg_name] = shm.attach(seg_name)
+            sets = []
+            for off, length, log_id, sqn, size, num in items:
+                view = seg.buf[off:off + length]
+                views.append(view)
+                sets.append(SealedChangeSet(uuid.UUID(bytes=log_id), sqn, view, size, num))
+            tasks.append(UploadTask(sets, _noop, _noop))
+        try:
+            # the service chose and announced the name, so a worker killed mid-write leaves no unknown file
+            result = uploader.upload(tasks, file_name=job.get("file_name"))
+        except BaseException as exc:
+            exc.dstl_metrics = metrics.as_dict()  # type: ignore[attr-defined]
+            raise
+        out_tasks = []
+        for _task, entries in result.tasks_offsets:
+            out_tasks.append([(int(cs.sequence_number), off, loff, cs.size) for cs, off, loff in entries])
+        return {
+            "path": result.handle.path,
+            "local_path": result.local_handle.path if result.local_handle is not None else None,
+            "logical_size": result.handle.state_size,
+            "started": registry.started,
+            "metrics": metrics.as_dict(),
+            "tasks": out_tasks,
+        }
+    finally:
+        for v in views:
+            v.release()
+        del tasks
+        for seg in segments.values():
+            try:
+                seg.close()
+            except BufferError:  # a view is still referenced somewhere; the mapping goes with it
+                pass
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An exception that survives pickling (else an OSError carrying its text)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        err = OSError(f"{type(exc).__name__}: {exc}")
+        err.dstl_metrics = getattr(exc, "dstl_metrics", None)  # type: ignore[attr-defined]
+        return err
+
+
+def worker_main(conn) -> None:
+    """Serve jobs from `conn` until None or end of file (the service is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s uploader %(levelname)s %(message)s")
+    _preload_user_modules()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        start = time.perf_counter_ns()
+        try:
+            if job.get("file_name"):
+                conn.send(("intent", intended_url(job)))
+            res = run_attempt(job)
+            res["wall_ns"] = time.perf_counter_ns() - start
+            msg = ("ok", res)
+        except BaseException as exc:  # an attempt's failure is data, not the worker's death
+            msg = ("err", _portable(exc), getattr(exc, "dstl_metrics", None))
+        try:
+            conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):
+            return
+
+
+def _preload_user_modules() -> None:
+    """Import the modules named in DSTL_SERVICE_IMPORTS (e.g. ones registering fsspec protocols)."""
+    import importlib
+
+    for name in filter(None, (s.strip() for s in os.environ.get("DSTL_SERVICE_IMPORTS", "").split(","))):
+        importlib.import_module(name)
+
+
+__all__ = ["run_attempt", "worker_main"]
