@@ -54,8 +54,8 @@ class CountingProcessor(StatefulProcessor):
         self.totals.update((events, value_sum))
         self.batches.appendValue((len(pdf),))
         for kind, n in pdf.groupby("kind").size().items():
-            old = self.kinds.getValue((kind,)) if self.kinds.containsKey((kind,)) else (0,)
-            self.kinds.updateValue((kind,), (int(old[0]) + int(n),))
+            old = self.kinds.getValue((kind,))        # None when the kind is new
+            self.kinds.updateValue((kind,), (int(old[0]) + int(n) if old else int(n),))
         per_kind = [int(v[0]) for v in self.kinds.values()]
         yield pd.DataFrame({
             "user": [key[0]], "events": [events], "value_sum": [value_sum],
