@@ -27,10 +27,11 @@ class UserTotals(StatefulProcessor):
         self.totals = handle.getValueState("totals", "events long, value_sum long")
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
-        pdf = pd.concat(list(rows), ignore_index=True)
         old = self.totals.get()
-        events = (int(old[0]) if old else 0) + len(pdf)
-        value_sum = (int(old[1]) if old else 0) + int(pdf["value"].sum())
+        events, value_sum = (int(old[0]), int(old[1])) if old else (0, 0)
+        for pdf in rows:  # as in Spark's own examples: no concat of the row batches
+            events += len(pdf)
+            value_sum += int(pdf["value"].sum())
         self.totals.update((events, value_sum))
         yield pd.DataFrame({"user": [key[0]], "events": [events], "value_sum": [value_sum]})
 

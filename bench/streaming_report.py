@@ -251,10 +251,10 @@ def chart(summary: dict, path: str, title: str) -> None:
     ax = axes[0]
     vals = [summary[n]["events_per_s"] for n in names]
     ax.bar(names, vals, color=colors)
-    ax.set_yscale("log")
-    ax.set_title("events/s (median batch, log scale)")
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_title("events/s (median batch)")
+    for i, (n, v) in enumerate(zip(names, vals)):
+        ratio = "" if n == "native" else f" ({summary[n]['speedup_vs_native']:.1f}x)"
+        ax.text(i, v, f"{v:,.0f}{ratio}", ha="center", va="bottom", fontsize=8)
     ax = axes[1]
     vals = [summary[n]["checkpoint_p99_ms"] for n in names]
     ax.bar(names, vals, color=colors)

@@ -24,7 +24,7 @@ pytestmark = [
                        reason="heavy Spark comparison: runs once, under the Cython build"),
 ]
 
-N_BATCHES, EVENTS_PER_BATCH, N_KEYS = 3, 1500, 1000
+N_BATCHES, EVENTS_PER_BATCH, N_KEYS = 3, 800, 500
 WATERMARK_DELAY = "10 seconds"
 WATERMARK_DELAY_MS = 10_000
 
