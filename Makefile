@@ -35,5 +35,11 @@ demo: build
 bench: build
 	$(PY) bench/report.py
 
+# dstl beside Apache Flink 2.3's own DSTL (needs a JDK; downloads Flink's jars once to ~/.cache/dstl-bench).
+.PHONY: bench-flink
+bench-flink: build
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
+	$(PY) bench/flink/run.py
+
 clean:
 	rm -rf build dstl/_fast/*.c dstl/_fast/*.so

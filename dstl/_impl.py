@@ -11,7 +11,7 @@ import importlib
 import os
 from types import ModuleType
 
-MODULES = ("_buffer", "_decode", "_hash", "_statecols")
+MODULES = ("_buffer", "_change", "_decode", "_hash", "_keyed", "_statecols")
 
 FORCED_PURE = os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0", "false", "False")
 

@@ -158,53 +158,12 @@ class KeyGroupRange:
 KeyGroupRange.EMPTY = KeyGroupRange(0, -1)
 
 
-class StateChange:
-    """One change: `(key_group, data)`; metadata changes use `META_KEY_GROUP` (-1)."""
+# One change: the Cython class when the extension is built, else its pure-Python twin (same
+# attributes, errors, repr, equality, hash and pickling; objects of the two classes compare equal).
+from dstl import _impl  # noqa: E402
+from dstl._fast import _change_py  # noqa: E402
 
-    __slots__ = ("key_group", "data")
-    META_KEY_GROUP = META_KEY_GROUP
-
-    def __init__(self, key_group: int, data):
-        if isinstance(key_group, bool) or not isinstance(key_group, int):
-            key_group = _check_int("key_group", key_group)
-        if key_group < META_KEY_GROUP or key_group > MAX_KEY_GROUP:
-            raise ValueError(f"key_group must be -1 (metadata) or 0..{MAX_KEY_GROUP}, got {key_group}")
-        if not isinstance(data, bytes):
-            if isinstance(data, (bytearray, memoryview)):
-                data = bytes(data)
-            else:
-                raise TypeError(f"change data must be bytes-like, got {type(data).__name__}")
-        object.__setattr__(self, "key_group", key_group)
-        object.__setattr__(self, "data", data)
-
-    @classmethod
-    def meta(cls, data) -> "StateChange":
-        return cls(META_KEY_GROUP, data)
-
-    def is_meta(self) -> bool:
-        return self.key_group == META_KEY_GROUP
-
-    def __setattr__(self, name, value):
-        raise AttributeError("StateChange is immutable")
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, StateChange):
-            return self.key_group == other.key_group and self.data == other.data
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.key_group, self.data))
-
-    def __iter__(self):  # allows `kg, data = change`
-        yield self.key_group
-        yield self.data
-
-    def __repr__(self) -> str:
-        shown = self.data if len(self.data) <= 32 else self.data[:32] + b"..."
-        return f"StateChange({self.key_group}, {shown!r})"
-
-    def __reduce__(self):
-        return (StateChange, (self.key_group, self.data))
+StateChange = _impl.kernel("_change").StateChange
 
 
 class StateChangeSet:
@@ -217,7 +176,7 @@ class StateChangeSet:
             raise ValueError(f"log_id must be a uuid.UUID, got {type(log_id).__name__}")
         changes = tuple(changes)
         for c in changes:
-            if not isinstance(c, StateChange):
+            if not isinstance(c, tuple(_change_py.EQUAL_TYPES)):
                 raise ValueError(f"changes must be StateChange objects, got {type(c).__name__}")
         object.__setattr__(self, "log_id", log_id)
         object.__setattr__(self, "sequence_number", as_sqn(sequence_number))

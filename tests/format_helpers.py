@@ -12,20 +12,22 @@ import pytest
 
 from conftest import expected_implementation
 
-from dstl._fast import _buffer_py, _decode_py
+from dstl._fast import _buffer_py, _change_py, _decode_py
 
 
 def _cython():
     try:
-        from dstl._fast import _buffer, _decode
+        from dstl._fast import _buffer, _change, _decode
     except ImportError:
         if expected_implementation() == "cython":
             raise  # the extension must be built for the Cython run
         return None
-    return SimpleNamespace(name="cython", ChangeBuffer=_buffer.ChangeBuffer, decode=_decode)
+    return SimpleNamespace(name="cython", ChangeBuffer=_buffer.ChangeBuffer, decode=_decode,
+                           StateChange=_change.StateChange)
 
 
-PYTHON = SimpleNamespace(name="python", ChangeBuffer=_buffer_py.ChangeBuffer, decode=_decode_py)
+PYTHON = SimpleNamespace(name="python", ChangeBuffer=_buffer_py.ChangeBuffer, decode=_decode_py,
+                         StateChange=_change_py.StateChange)
 CYTHON = _cython()
 IMPLS = [PYTHON] + ([CYTHON] if CYTHON is not None else [])
 impl_params = pytest.mark.parametrize("impl", IMPLS, ids=[i.name for i in IMPLS])

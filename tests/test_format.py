@@ -336,7 +336,7 @@ def test_decoded_changes_are_ordinary_state_changes(impl):
 
     body = fmt.encode_change_set([StateChange(-1, b"m"), StateChange(3, b"abc"), StateChange(3, b"")])
     changes, _ = impl.decode.decode_change_set(body)
-    assert all(type(c) is StateChange for c in changes)
+    assert all(type(c) is impl.StateChange for c in changes)
     assert changes == [StateChange(-1, b"m"), StateChange(3, b"abc"), StateChange(3, b"")]
     assert hash(changes[1]) == hash(StateChange(3, b"abc"))
     assert pickle.loads(pickle.dumps(changes)) == changes

@@ -11,6 +11,7 @@ Twin: dstl/_fast/_buffer_py.py (byte-identical output, same errors; `coerce_many
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_CheckExact
+from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
@@ -248,16 +249,20 @@ cdef class ChangeBuffer:
         """Add one change; `key_group` -1 is metadata."""
         cdef long kg
         cdef int overflow = 0
-        cdef const unsigned char* src
-        cdef Py_ssize_t length
-        cdef Py_buffer view
-        cdef bint have_view = False
         if PyLong_CheckExact(key_group):
             kg = PyLong_AsLongAndOverflow(key_group, &overflow)
             if overflow or kg < -1 or kg > 32767:
                 check_key_group(key_group)  # raises the ValueError
         else:
             kg = check_key_group(key_group)
+        self._add(<int32_t>kg, data)
+
+    cdef int _add(self, int32_t kg, object data) except -1:
+        """Copy one change (key group already checked) into the arena."""
+        cdef const unsigned char* src
+        cdef Py_ssize_t length
+        cdef Py_buffer view
+        cdef bint have_view = False
         if self.busy:
             self._check_idle()
         if PyBytes_CheckExact(data):
@@ -277,11 +282,12 @@ cdef class ChangeBuffer:
         try:
             if length > INT32_MAX:
                 raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
-            self._reserve(1, length)
+            if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
+                self._reserve(1, length)
             if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
                 self._new_run(NULL)
             memcpy(self.arena + self.arena_len, src, length)
-            self.kgs[self.n] = <int32_t>kg
+            self.kgs[self.n] = kg
             self.offs[self.n] = self.arena_len
             self.lens[self.n] = <int32_t>length
             self.n += 1
@@ -291,6 +297,7 @@ cdef class ChangeBuffer:
         finally:
             if have_view:
                 PyBuffer_Release(&view)
+        return 0
 
     def append_many(self, key_groups, data, offsets):
         """Add n changes given in Arrow's binary layout (key groups, one data buffer, n+1 offsets); all-or-nothing."""
@@ -828,3 +835,75 @@ cdef class SealedBody:
 
     def __repr__(self):
         return f"SealedBody(groups={self.num_groups}, changes={self.n}, encoded={self.total})"
+
+
+from dstl._fast._buffer_py import concurrent_append_error, writer_key_group
+from dstl.errors import WriterClosedError
+
+
+cdef class WriterCore:
+    """The append path of `FsStateChangelogWriter` (its base class): `append` and `append_meta` check
+    the writer's state and key-group range and copy the change into the active buffer, all in C.
+
+    No lock is taken: a writer is used from one thread (like Flink's, which is @NotThreadSafe), and
+    under the GIL each append runs to completion before another thread can touch the buffer. The one
+    part that runs Python code, the pre-emptive persist at the threshold (`_preemptive`, defined by
+    the writer), records its thread; an append from another thread meanwhile raises RuntimeError.
+    Twin: `WriterCore` in dstl/_buffer_py.py (same checks, same errors, byte-identical buffer).
+    """
+    cdef readonly ChangeBuffer _buffer
+    cdef public bint _closed
+    cdef public long _kg_start, _kg_end
+    cdef public int64_t _threshold
+    cdef unsigned long _flusher   # the thread inside a pre-emptive persist of an append; 0 = none
+
+    def __cinit__(self, *args, **kwargs):
+        self._buffer = ChangeBuffer()
+        self._kg_start = 0
+        self._kg_end = -1
+
+    cdef int _enter(self) except -1:
+        if self._flusher != 0 and self._flusher != PyThread_get_thread_ident():
+            raise concurrent_append_error(self, self._flusher, PyThread_get_thread_ident())
+        if self._closed:
+            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
+        return 0
+
+    cdef int _after(self) except -1:
+        """Pre-emptive persist once the active set reaches the threshold (Python, outside any lock)."""
+        cdef unsigned long prev = self._flusher
+        if self._buffer.payload < self._threshold:
+            return 0
+        self._flusher = PyThread_get_thread_ident()
+        try:
+            self._preemptive()
+        finally:
+            self._flusher = prev
+        return 0
+
+    def append(self, key_group, data):
+        """Add one data change; may upload pre-emptively (and then block on back-pressure)."""
+        cdef long kg
+        cdef int overflow = 0
+        self._enter()
+        if not PyLong_CheckExact(key_group):
+            key_group = writer_key_group(key_group)  # TypeError for non-integers
+        kg = PyLong_AsLongAndOverflow(key_group, &overflow)
+        if overflow or kg < self._kg_start or kg > self._kg_end:
+            raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
+        self._buffer._add(<int32_t>kg, data)
+        self._after()
+
+    def append_meta(self, data):
+        """Add one metadata change (key group -1; read back by every subtask on restore)."""
+        self._enter()
+        self._buffer._add(-1, data)
+        self._after()
+
+    def _take_active(self):
+        """Seal the active change set: `(body, payload size, number of changes)`, or None when empty."""
+        cdef ChangeBuffer buf = self._buffer
+        cdef int64_t n = buf.n, size = buf.payload
+        if n == 0:
+            return None
+        return buf.seal_body(), size, n

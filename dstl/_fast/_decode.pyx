@@ -5,6 +5,7 @@
 arrays sized by a first counting pass, or (for objects) into buffers that grow geometrically with
 the changes actually parsed, so no count read from the input is ever turned into an allocation.
 """
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
@@ -13,65 +14,11 @@ from libc.stdint cimport int32_t, int64_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
-import gc
-
 import numpy as np
 
 from dstl._fast._decode_py import ChangeSetInfo, check_offset, logical_view, range_bounds
 from dstl.errors import CorruptChangelogError
-from dstl.types import StateChange
-
-cdef extern from "Python.h":
-    ctypedef struct PyObject
-    ctypedef struct PyTypeObject
-    ctypedef struct PyMemberDef:
-        Py_ssize_t offset
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef* d_member
-    PyObject* PyType_GenericAlloc(PyTypeObject* tp, Py_ssize_t nitems)
-    int PyObject_GenericSetAttr(object o, object name, object value) except -1
-
-cdef object _new = object.__new__
-cdef object _StateChange = StateChange
-cdef str _KG = "key_group"
-cdef str _DATA = "data"
-
-
-cdef Py_ssize_t _slot_offset(name):
-    """Where StateChange keeps a __slots__ member, or -1 when it is not a plain slot."""
-    descr = StateChange.__dict__.get(name)
-    if type(descr).__name__ != "member_descriptor":
-        return -1
-    return (<PyMemberDescrObject*>descr).d_member.offset
-
-
-# StateChange is immutable (its __setattr__ raises) and its __init__ re-validates; decoded values
-# are already valid, so a change is built by allocating it and filling its two slots directly.
-cdef Py_ssize_t _KG_OFFSET = _slot_offset("key_group")
-cdef Py_ssize_t _DATA_OFFSET = _slot_offset("data")
-cdef bint _DIRECT = (_KG_OFFSET > 0 and _DATA_OFFSET > 0 and type(StateChange).__name__ == "type"
-                     and StateChange.__new__ is object.__new__ and StateChange.__init__ is not object.__init__)
-
-
-cdef inline object _make_change(object kg, object data):
-    cdef PyObject* obj
-    cdef object change
-    if _DIRECT:
-        obj = PyType_GenericAlloc(<PyTypeObject*>_StateChange, 0)
-        if obj == NULL:
-            raise MemoryError()
-        change = <object>obj
-        Py_DECREF(change)  # <object> took its own reference
-        Py_INCREF(kg)
-        (<PyObject**>((<char*>obj) + _KG_OFFSET))[0] = <PyObject*>kg
-        Py_INCREF(data)
-        (<PyObject**>((<char*>obj) + _DATA_OFFSET))[0] = <PyObject*>data
-        return change
-    change = _new(_StateChange)
-    PyObject_GenericSetAttr(change, _KG, kg)
-    PyObject_GenericSetAttr(change, _DATA, data)
-    return change
-
+from dstl._fast._change cimport StateChange, new_change
 
 cdef enum Err:
     OK = 0
@@ -294,41 +241,85 @@ def decode_change_set_arrays(logical, offset=0, key_group_range=None):
 
 def decode_change_set(logical, offset=0, key_group_range=None):
     """The changes of the change set at `offset` (stream order) and the offset just after it."""
+    cdef ChangeIterator it = iter_change_set(logical, offset, key_group_range)
+    cdef int64_t i, kept = it.count
+    cdef object change
+    result = PyList_New(kept)
+    # StateChange objects are not tracked by the cyclic GC: building many of them triggers no collection
+    for i in range(kept):
+        change = it._next()
+        Py_INCREF(change)
+        PyList_SET_ITEM(result, i, change)
+    it.close()
+    return result, it.end
+
+
+@cython.final
+cdef class ChangeIterator:
+    """The changes of one change set, built one at a time as they are asked for (`iter_change_set`).
+
+    The change set is scanned (and every field checked) when the iterator is made, so errors come
+    first; each `next` then builds one `StateChange` from the held buffer, while it is still in the
+    cache. Holds an export of the logical stream until it is exhausted or closed.
+    """
+    cdef _Bytes b
+    cdef Out out
+    cdef int64_t i
+    cdef readonly int64_t count
+    cdef readonly int64_t end
+
+    def __cinit__(self):
+        self.out.kg = NULL
+        self.out.off = NULL
+        self.out.len = NULL
+        self.out.cap = 0
+
+    def __dealloc__(self):
+        release(&self.out)
+
+    cdef inline StateChange _next(self):
+        cdef int64_t i = self.i
+        self.i = i + 1
+        return new_change(self.out.kg[i], PyBytes_FromStringAndSize(
+            <const char*>(self.b.buf + self.out.off[i]), self.out.len[i]))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i < self.count:
+            return self._next()
+        self.close()
+        raise StopIteration
+
+    def __len__(self):
+        """Changes not yet returned."""
+        return self.count - self.i
+
+    def close(self):
+        """Release the logical stream; the iterator is exhausted afterwards."""
+        self.count = self.i = 0
+        self.b = None
+        release(&self.out)
+
+
+def iter_change_set(logical, offset=0, key_group_range=None):
+    """An iterator of the changes of the change set at `offset` (stream order; `.end` is the offset
+    just after it). Malformed input raises here, before the first change."""
+    cdef ChangeIterator it = ChangeIterator.__new__(ChangeIterator)
     cdef _Bytes b = _Bytes(logical)
     cdef int64_t pos = check_offset(offset, b.length)
     cdef int lo, hi
     lo, hi = _bounds(key_group_range)
     cdef Scan r
-    cdef Out out
-    cdef int64_t i, kept
-    cdef bint gc_was_enabled = False
-    out.kg = NULL
-    out.off = NULL
-    out.len = NULL
-    out.cap = 0
-    try:
-        with nogil:
-            scan(b.buf, b.length, pos, lo, hi, &r, &out, NULL)
-        if r.err:
-            raise_error(&r)
-        kept = r.kept
-        result = PyList_New(kept)
-        # the cyclic GC would otherwise rescan the growing list every few hundred objects
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        kg_objs = {}  # one int object per key group
-        for i in range(kept):
-            kg = kg_objs.get(out.kg[i])
-            if kg is None:
-                kg = kg_objs[out.kg[i]] = out.kg[i]
-            change = _make_change(kg, PyBytes_FromStringAndSize(<const char*>(b.buf + out.off[i]), out.len[i]))
-            Py_INCREF(change)
-            PyList_SET_ITEM(result, i, change)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-        release(&out)
-    return result, r.end
+    with nogil:
+        scan(b.buf, b.length, pos, lo, hi, &r, &it.out, NULL)
+    if r.err:
+        raise_error(&r)
+    it.b = b
+    it.count = r.kept
+    it.end = r.end
+    return it
 
 
 def walk(logical):
@@ -357,5 +348,3 @@ def walk(logical):
         pos = r.end
     return infos
 
-
-DIRECT_SLOTS = _DIRECT  # for tests: whether changes are built by filling their slots directly

@@ -12,18 +12,11 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 from dstl.errors import CorruptChangelogError
-from dstl.types import StateChange
+from dstl._fast._change_py import StateChange, make_change
 
 MAX_KEY_GROUP = 32767
 _I32 = struct.Struct(">i")
 _2I32 = struct.Struct(">ii")
-
-# StateChange is immutable (its __setattr__ raises); decoded values are already validated, so fill
-# the slots directly instead of paying for __init__'s checks once per change.
-_new_change = object.__new__
-_set_kg = StateChange.__dict__["key_group"].__set__
-_set_data = StateChange.__dict__["data"].__set__
-
 
 class ChangeSetInfo(NamedTuple):
     """One change set found by `walk` (all sizes in logical-stream bytes, `size` = payload)."""
@@ -34,13 +27,6 @@ class ChangeSetInfo(NamedTuple):
     num_changes: int
     size: int
     group_order: Tuple[int, ...]
-
-
-def make_change(key_group: int, data: bytes) -> StateChange:
-    change = _new_change(StateChange)
-    _set_kg(change, key_group)
-    _set_data(change, data)
-    return change
 
 
 def logical_view(logical) -> memoryview:
@@ -137,6 +123,43 @@ def decode_change_set(logical, offset: int = 0, key_group_range=None) -> Tuple[L
         if gc_was_enabled:
             gc.enable()
     return out, end
+
+
+class ChangeIterator:
+    """Twin of the Cython `ChangeIterator`: the changes of one change set (decoded up front here)."""
+
+    __slots__ = ("_changes", "_it", "end")
+
+    def __init__(self, changes: List[StateChange], end: int):
+        self._changes = changes
+        self._it = iter(changes)
+        self.end = end
+
+    @property
+    def count(self) -> int:
+        return len(self._changes)
+
+    def __iter__(self):
+        return self._it
+
+    def __next__(self) -> StateChange:
+        return next(self._it)
+
+    def __len__(self) -> int:
+        return self._it.__length_hint__()
+
+    def close(self) -> None:
+        """The iterator is exhausted afterwards (also where `iter()` already handed it out)."""
+        self._changes = []
+        for _ in self._it:
+            pass
+
+
+def iter_change_set(logical, offset: int = 0, key_group_range=None) -> ChangeIterator:
+    """An iterator of the changes of the change set at `offset` (stream order; `.end` is the offset
+    just after it). Malformed input raises here, before the first change."""
+    changes, end = decode_change_set(logical, offset, key_group_range)
+    return ChangeIterator(changes, end)
 
 
 def decode_change_set_arrays(logical, offset: int = 0, key_group_range=None):

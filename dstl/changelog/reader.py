@@ -8,6 +8,7 @@ the storage until they have been idle for `download.local-cache.idle-timeout-ms`
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -290,7 +291,8 @@ class DownloadCache:
 class _HandleIterator:
     """Walks a handle's entries; keeps one file open while consecutive entries share it.
 
-    `iter()` hands out the underlying generator, so `for`/`list()` run at C speed per change.
+    `iter()` hands out a C-level iterator: for objects, `itertools.chain` over one change iterator per
+    entry, each building its `StateChange`s one at a time (errors surface when the entry is reached).
     """
 
     def __init__(self, reader: "StateChangelogReader", handle, arrays: bool):
@@ -303,7 +305,9 @@ class _HandleIterator:
         self._range = kgr
         self._arrays = arrays
         self._source: Optional[_Source] = None
+        self._current = None  # the change iterator of the entry being read (objects)
         self._gen = self._generate()
+        self._it = self._gen if arrays else itertools.chain.from_iterable(self._gen)
 
     def _source_for(self, stream: StreamStateHandle) -> _Source:
         if self._source is not None and self._source.path == stream.path:
@@ -312,41 +316,48 @@ class _HandleIterator:
         self._source = self._reader._open(stream)
         return self._source
 
+    def _close_current(self) -> None:
+        current, self._current = self._current, None
+        if current is not None:
+            current.close()  # releases its export of the logical stream
+
     def _close_source(self) -> None:
+        self._close_current()
         if self._source is not None:
             source, self._source = self._source, None
             source.close(release_views=not self._arrays)
 
     def _generate(self):
+        """Per entry: the arrays tuple, or (objects) an iterator of the entry's changes."""
         fmt = _format()
         arrays = self._arrays
         try:
             for stream, offset in self._entries:
+                self._close_current()  # exhausted by now: chain asks for the next entry only then
                 source = self._source_for(stream)
                 try:
                     if arrays:
                         kgs, offs, lens, _ = fmt.decode_change_set_arrays(source.logical, offset, self._range)
                         item = (source.logical, kgs, offs, lens)
                     else:
-                        changes, _ = fmt.decode_change_set(source.logical, offset, self._range)
+                        item = self._current = fmt.iter_change_set(source.logical, offset, self._range)
                 except CorruptChangelogError as exc:
                     raise exc.with_file(stream.path) from None
-                if arrays:
-                    yield item
-                else:
-                    yield from changes
+                yield item
         finally:
             self._close_source()
 
     def __iter__(self):
-        return self._gen
+        return self._it
 
     def __next__(self):
-        return next(self._gen)
+        return next(self._it)
 
     def close(self) -> None:
         """Close the open file; safe to call more than once."""
+        self._close_current()
         self._gen.close()
+        self._it = iter(())
         self._close_source()
 
     def __enter__(self):

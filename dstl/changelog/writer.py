@@ -1,7 +1,10 @@
 """FsStateChangelogWriter: sequence numbers, persist, truncate/confirm/reset/close (docs/semantics.md §2-§6).
 
-Concurrency (docs/semantics.md §2): one lock guards all writer state; upload callbacks take it, collect the
-futures to settle, release it and only then settle them; the scheduler is never called under the lock.
+Concurrency (docs/semantics.md §2): a writer is used from one thread, like Flink's (@NotThreadSafe); upload
+callbacks run on other threads. One lock guards the state they share (persist listeners, upload
+results); callbacks take it, collect the futures to settle, release it and only then settle them; the
+scheduler is never called under the lock. `append`/`append_meta` come from `WriterCore` (Cython, or
+its twin) and take no lock: they only touch the active buffer, which upload callbacks never do.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from dstl.errors import WriterClosedError
+from dstl.format import WriterCore
 from dstl.types import KeyGroupRange, SealedChangeSet, SequenceNumber, as_sqn
 from dstl.changelog.upload.task import UploadResult, UploadTask
 
@@ -35,12 +39,6 @@ class _Listener:
         self.checkpointed_size = 0
 
 
-def _key_group_int(key_group) -> int:
-    if isinstance(key_group, bool) or not hasattr(key_group, "__index__"):
-        raise TypeError(f"key_group must be an int, got {type(key_group).__name__}")
-    return key_group.__index__()
-
-
 def _checkpoint_int(checkpoint_id) -> int:
     if isinstance(checkpoint_id, bool) or not hasattr(checkpoint_id, "__index__"):
         raise TypeError(f"checkpoint_id must be an int, got {type(checkpoint_id).__name__}")
@@ -55,29 +53,31 @@ def _as_os_error(exc: BaseException) -> OSError:
     return err
 
 
-class FsStateChangelogWriter:
+class FsStateChangelogWriter(WriterCore):
     """The changelog writer of one operator and key-group range; obtain it from `storage.create_writer`.
 
     `append`/`append_meta`/`append_many` add changes to the active change set; `persist(from, cp)`
     uploads everything from sqn `from` on and returns a Future of a `SnapshotResult`.
+
+    Not thread-safe (as Flink's writer): call appends, `next_sequence_number`, `persist` and the
+    lifecycle methods from one thread at a time. An append that arrives from another thread while one
+    is inside its pre-emptive persist raises RuntimeError rather than interleaving.
     """
 
     def __init__(self, log_id: uuid.UUID, key_group_range: KeyGroupRange, scheduler, registry,
                  local_registry, preemptive_persist_threshold: int, *, local_recovery: bool = False,
                  operator_id: Optional[str] = None, on_close=None):
-        from dstl.format import ChangeBuffer
-
         self.log_id = log_id
         self.key_group_range = key_group_range
         self.operator_id = operator_id
         self._scheduler = scheduler
         self._registry = registry
         self._local_registry = local_registry
-        self._threshold = int(preemptive_persist_threshold)
+        self._threshold = min(int(preemptive_persist_threshold), 2**63 - 1)
         self._local_recovery = local_recovery
         self._on_close = on_close
         self._lock = threading.Lock()
-        self._buffer = ChangeBuffer()
+        # the active buffer (`self._buffer`) belongs to WriterCore
         self._active = 0
         self._not_uploaded: Dict[int, SealedChangeSet] = {}
         self._uploaded: Dict[int, UploadResult] = {}
@@ -103,12 +103,10 @@ class FsStateChangelogWriter:
             return SequenceNumber(self._active)
 
     def _rollover(self) -> None:
-        buf = self._buffer
-        n = len(buf)
-        if n == 0:
+        sealed = self._take_active()  # the payload is copied only while the upload streams it
+        if sealed is None:
             return
-        size = buf.size
-        body = buf.seal_body()  # payload copied only while the upload streams it
+        body, size, n = sealed
         self._not_uploaded[self._active] = SealedChangeSet(self.log_id, self._active, body, size, n)
         self._active += 1
 
@@ -117,32 +115,14 @@ class FsStateChangelogWriter:
         if self._closed:
             raise WriterClosedError(f"changelog writer {self.log_id} is closed")
 
-    def append(self, key_group: int, data) -> None:
-        """Add one data change; may upload pre-emptively (and then block on back-pressure)."""
-        # the hot path of the object API: checks inlined, one lock round trip
+    # append(key_group, data) and append_meta(data) are WriterCore's (no Python frame per call);
+    # they call _preemptive once the active change set reaches the threshold.
+    def _preemptive(self) -> None:
+        """The pre-emptive persist of an append that filled the active set up to the threshold."""
         with self._lock:
-            if self._closed:
-                raise WriterClosedError(f"changelog writer {self.log_id} is closed")
-            if type(key_group) is not int:
-                key_group = _key_group_int(key_group)
-            if key_group < self._kg_start or key_group > self._kg_end:
-                raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
-            buf = self._buffer
-            buf.append(key_group, data)
-            if buf.size < self._threshold:
+            if self._closed:  # closed meanwhile: there is nothing left to upload
                 return
             task = self._preemptive_locked()
-        if task is not None:
-            self._submit(task)
-
-    def append_meta(self, data) -> None:
-        """Add one metadata change (key group -1; read back by every subtask on restore)."""
-        task = None
-        with self._lock:
-            self._check_open()
-            self._buffer.append(-1, data)
-            if self._buffer.size >= self._threshold:
-                task = self._preemptive_locked()
         if task is not None:
             self._submit(task)
 

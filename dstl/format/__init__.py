@@ -19,16 +19,18 @@ from dstl.format.compression import FLAG_RAW, FLAG_SNAPPY, FLAG_ZSTD, StreamWrit
 from dstl.types import SealedChangeSet, StateChange, StateChangeSet, java_uuid_sort_key
 from dstl._fast._decode_py import ChangeSetInfo
 
-ChangeBuffer = _impl.kernel("_buffer").ChangeBuffer
+_buffer = _impl.kernel("_buffer")
+ChangeBuffer, WriterCore = _buffer.ChangeBuffer, _buffer.WriterCore
 _decode = _impl.kernel("_decode")
 decode_change_set, decode_change_set_arrays, walk = _decode.decode_change_set, _decode.decode_change_set_arrays, _decode.walk
+iter_change_set = _decode.iter_change_set
 
 IMPLEMENTATION = _impl.IMPLEMENTATION
 
 __all__ = [
-    "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo",
+    "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo", "WriterCore",
     "encode_change_set", "encode_file", "write_file", "to_logical", "decode_change_set",
-    "decode_change_set_arrays", "decode_file", "decode_stream", "walk", "codec_flag",
+    "decode_change_set_arrays", "decode_file", "decode_stream", "iter_change_set", "walk", "codec_flag",
 ]
 
 

@@ -3,8 +3,9 @@
 * flag 0: raw; flag 1: Snappy framing format (stream identifier, 64 KiB blocks, masked CRC-32C,
   0.85 rule, as xerial's SnappyFramedOutputStream writes it); flag 2: concatenated zstd frames.
 * `StreamWriter` compresses block by block as bodies arrive (no second copy of a large upload).
-* `to_logical` turns whole-file bytes into the logical stream, verifying every Snappy CRC; framing
-  errors raise CorruptChangelogError with the *file* offset of the chunk or frame.
+* `to_logical` turns whole-file bytes into the logical stream, verifying every Snappy CRC and every
+  zstd content checksum (dstl writes zstd frames with one); framing errors raise
+  CorruptChangelogError with the *file* offset of the chunk or frame. Raw files have no checksum.
 """
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def mask_crc(crc: int) -> int:
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 
+def zstd_compressor():
+    """A zstd compressor whose frames carry their content size and a content checksum (XXH64), which
+    readers verify (libzstd does when the frame has one): a flipped bit is an error, not other data."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
+
+
 def snappy_chunk(block) -> bytes:
     """One data chunk for a block of at most 64 KiB (compressed unless that saves < 15 %)."""
     length = len(block)
@@ -77,6 +86,7 @@ class StreamWriter:
         self.logical_size = 0
         self.file_size = 0
         self._finished = False
+        self._zstd_ctx = None
         self._emit(bytes([self.flag]))
         if self.flag == FLAG_SNAPPY:
             self._emit(SNAPPY_IDENTIFIER)
@@ -100,7 +110,13 @@ class StreamWriter:
         if self.flag == FLAG_SNAPPY:
             self._emit(snappy_chunk(block))
         else:
-            self._emit(bytes(cramjam.zstd.compress(block, level=ZSTD_LEVEL)))
+            self._emit(self._zstd().compress(block))
+
+    def _zstd(self):
+        """This writer's zstd compressor (a context is not thread-safe: one per stream)."""
+        if self._zstd_ctx is None:
+            self._zstd_ctx = zstd_compressor()
+        return self._zstd_ctx
 
     def write(self, data) -> None:
         """Append logical bytes: a bytes-like object, or a body that streams itself (`write_to`, e.g.
@@ -205,12 +221,34 @@ def snappy_chunks(view: memoryview, base: int, file: Optional[str] = None) -> Li
     return chunks
 
 
+def _flipped_data_chunk(view: memoryview, start: int, stop: int, compressed: bool) -> bool:
+    """Whether a skippable chunk's body is a valid data chunk (CRC and all), i.e. a data chunk whose
+    type byte got its top bit flipped (0x00 -> 0x80, 0x01 -> 0x81). Skipping it would drop data
+    silently; a genuine skippable chunk matches a CRC only by a 2^-32 chance."""
+    if stop - start < 4:
+        return False
+    payload = view[start + 4:stop]
+    try:
+        if compressed:
+            if cramjam.snappy.decompress_raw_len(payload) > SNAPPY_BLOCK:
+                return False
+            payload = cramjam.snappy.decompress_raw(payload)
+        elif len(payload) > SNAPPY_BLOCK:
+            return False
+    except Exception:  # not Snappy data: a genuine skippable chunk
+        return False
+    return mask_crc(_crc32c.crc32c(payload)) == int.from_bytes(view[start:start + 4], "little")
+
+
 def snappy_unframe(view: memoryview, base: int = 1, file: Optional[str] = None) -> bytearray:
     """Decompress a Snappy framed stream, verifying every data chunk's CRC-32C."""
     chunks = snappy_chunks(view, base, file)
     sizes = []
     total = 0
     for ctype, where, start, stop in chunks:
+        if ctype in (0x80, 0x81) and _flipped_data_chunk(view, start, stop, ctype == 0x80):
+            raise _corrupt(f"skippable chunk of type 0x{ctype:02X} holds a valid data chunk (a flipped "
+                           f"chunk-type bit)", where, file)
         if ctype == 0x00:
             try:
                 n = cramjam.snappy.decompress_raw_len(view[start + 4:stop])

@@ -87,7 +87,7 @@ def ensure_importable_on_workers(spark) -> None:
     An installed package (pip install, also editable) is found by the workers anyway. When dstl is
     used from a source tree (tests, a checkout on PYTHONPATH), its parent directory is added to the
     PYTHONPATH Spark hands to the Python workers it starts. On a real cluster install the package on
-    every executor (see docs/readme/pipeline.md).
+    every executor (see docs/spark.md, "Scale-out").
     """
     import dstl
 

@@ -28,17 +28,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from dstl.keygroups import assign_to_key_group
+from dstl import _impl
 from dstl.state import changes as C
 from dstl.state.columns import Column
 from dstl.state.serializers import resolve_serializer
 from dstl.types import KeyGroupRange
-from dstl.state.base import _KEY_TYPES, _State
+from dstl.state.base import _State
 from dstl.state.list import ListState
 from dstl.state.map import MapState
 from dstl.state.restore import replay_snapshots
 from dstl.state.snapshot import KeyedStateSnapshot
 from dstl.state.value import ReducingState, ValueState
+
+_keyed = _impl.kernel("_keyed")
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ class KeyedStateBackend:
         self._kg_start = key_group_range.start
         self._kg_end = key_group_range.end
         self._writer = storage.create_writer(operator_id, key_group_range)
+        # the single-key path (key group, payload, append, counters) in one kernel call per change
+        self._k = _keyed.KeyedAppender(self, self._writer.append, max_parallelism, key_group_range)
+        self._kg = self._k.kg  # key -> key group with the checks below (kernel: no Python frame)
         self._table: Dict[int, Dict[str, dict]] = {}
         self._states: Dict[str, _State] = {}
         self._next_sid = 0
@@ -111,18 +116,36 @@ class KeyedStateBackend:
         self.materializations = 0
 
     # -- keys and appends -----------------------------------------------------------------------
-    def _kg(self, key: Any) -> int:
-        if type(key) not in _KEY_TYPES:
-            if isinstance(key, np.integer):
-                raise TypeError(f"state keys must be Python int, str or bytes; convert {type(key).__name__} "
-                                f"with int()")
-            if isinstance(key, bool) or not isinstance(key, _KEY_TYPES):
-                raise TypeError(f"state keys must be int, str or bytes, got {type(key).__name__}: {key!r}")
-        kg = assign_to_key_group(key, self.max_parallelism)
-        if not self._kg_start <= kg <= self._kg_end:
-            raise ValueError(f"key {key!r} belongs to key group {kg}, outside this backend's range "
-                             f"{self.key_group_range}")
-        return kg
+    # `self._kg(key)` is the kernel's: TypeError unless the key is an int, str or bytes (numpy ints are
+    # refused with a hint), ValueError when its key group is outside this backend's range.
+
+    @property
+    def _writer(self):
+        return self._writer_obj
+
+    @_writer.setter
+    def _writer(self, writer) -> None:
+        self._writer_obj = writer
+        k = self.__dict__.get("_k")
+        if k is not None:  # the kernel appends through the writer's bound append: keep it in step
+            k.writer_append = writer.append
+
+    # changes and payload bytes logged since the last materialization: the kernel counts them
+    @property
+    def _since_changes(self) -> int:
+        return self._k.changes
+
+    @_since_changes.setter
+    def _since_changes(self, value: int) -> None:
+        self._k.changes = value
+
+    @property
+    def _since_bytes(self) -> int:
+        return self._k.nbytes
+
+    @_since_bytes.setter
+    def _since_bytes(self, value: int) -> None:
+        self._k.nbytes = value
 
     def _check_kgs(self, kgs: np.ndarray, col: Column) -> None:
         if kgs.size:
@@ -134,15 +157,10 @@ class KeyedStateBackend:
                                  f"backend's range {self.key_group_range}")
 
     def _append(self, kg: int, payload: bytes) -> None:
-        self._check_open()
-        try:
-            self._writer.append(kg, payload)
-        except OSError as exc:
-            # the change is in the log (a pre-emptive upload failed afterwards, SEMANTICS §4.5): let
-            # the caller apply it in memory too, then raise from _mutated()
-            self._deferred_error = exc
-        self._since_changes += 1
-        self._since_bytes += len(payload)
+        # an OSError of the append means the change is in the log (a pre-emptive upload failed
+        # afterwards, SEMANTICS §4.5): the kernel keeps it in _deferred_error, so the caller applies
+        # the change in memory too, and _mutated() raises it
+        self._k.append(kg, payload)
 
     def _append_many(self, kgs: np.ndarray, data: np.ndarray, offsets: np.ndarray) -> None:
         self._check_open()
@@ -353,6 +371,7 @@ class KeyedStateBackend:
         if self._closed:
             return
         self._closed = True
+        self._k.closed = True
         self._writer.close()
         for m in [self._mat] + self._old_mats:
             if m is not None:

@@ -28,6 +28,8 @@ class _State:
         self.meta = meta
         self.name = meta.name
         self._sid = meta.state_id
+        # single-key changes: key group + payload + append in one kernel call (dstl/_fast/_keyed)
+        self._put = backend._k.for_state(self._sid, self.name)
         self.serializer = serializer
         self._native = bool(getattr(serializer, "native", False))
         # replay may store SET/SET_INTERNAL bodies directly (see KeyedStateBackend._replay_handle)
@@ -96,8 +98,7 @@ class _State:
 
     def clear(self, key: Any) -> None:
         """Remove the key's state (one CLEAR change, even if there was none, as Flink logs it)."""
-        kg = self._b._kg(key)
-        self._append(kg, C.CLEAR, [key])
+        kg = self._put.change(C.CLEAR, key)
         self._forget(kg, key)
         self._b._mutated()
 

@@ -40,8 +40,7 @@ class ListState(_State):
         return [[] if s is None else list(s.get(k, ())) for s, k in self._lookup_many(keys)]
 
     def add(self, key: Any, value: Any) -> None:
-        kg = self._b._kg(key)
-        self._append(kg, C.ADD_ELEMENT, [key, self._w(value)])
+        kg = self._put.change(C.ADD_ELEMENT, key, self._w(value))
         s = self._table(kg)
         lst = s.get(key)
         if lst is None:

@@ -73,8 +73,7 @@ class MapState(_State):
 
     def put(self, key: Any, user_key: Any, value: Any) -> None:
         _check_user_key(user_key)
-        kg = self._b._kg(key)
-        self._append(kg, C.ADD_OR_UPDATE_ELEMENT, [key, user_key, self._w(value)])
+        kg = self._put.change(C.ADD_OR_UPDATE_ELEMENT, key, user_key, self._w(value))
         self._table(kg).setdefault(key, {})[user_key] = value
         self._b._mutated()
 

@@ -26,9 +26,7 @@ class ValueState(_State):
         if value is None:
             self.clear(key)
             return
-        kg = self._b._kg(key)
-        self._append(kg, C.SET, [key, self._w(value)])
-        self._table(kg)[key] = value
+        self._put.set(C.SET, key, self._w(value), value)  # logs the change, then sets the table entry
         self._b._mutated()
 
     def items(self) -> Iterator[Tuple[Any, Any]]:

@@ -2,7 +2,7 @@
 
 Writers hand sealed change sets over shared memory to the service, which batches every client's
 tasks, applies back-pressure over all of them, retries, uploads in a pool of processes and keeps the
-reference counts in a journaled registry process. See docs/readme/service.md.
+reference counts in a journaled registry process. See docs/service.md.
 """
 from __future__ import annotations
 

@@ -1,0 +1,23 @@
+"""Type stubs for the Cython module `dstl._fast._keyed` (twin: `_keyed_py.py`): the single-key path
+of keyed state (key -> key group, change payload, writer append)."""
+from typing import Any, Callable
+
+from dstl.types import KeyGroupRange
+
+class KeyedAppender:
+    changes: int
+    nbytes: int
+    closed: bool
+    writer_append: Callable[[int, bytes], None]
+    def __init__(self, backend: Any, writer_append: Callable[[int, bytes], None], max_parallelism: int,
+                 key_group_range: KeyGroupRange) -> None: ...
+    def kg(self, key: Any) -> int: ...
+    def append(self, kg: int, payload: bytes) -> None: ...
+    def for_state(self, state_id: int, name: str) -> "StateAppender": ...
+
+class StateAppender:
+    @property
+    def state_id(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    def change(self, op: int, key: Any, *fields: Any) -> int: ...

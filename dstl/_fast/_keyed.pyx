@@ -1,0 +1,295 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython single-key path of keyed state: key -> key group, change payload, writer append.
+
+`StateAppender.change(op, key, *fields)` checks the key, computes its key group, encodes the payload
+(operation byte + msgpack array `[state_id, key, fields...]`) straight into a reused buffer (ints,
+str, bytes, floats, bools and None by hand, anything else through msgpack) and appends it.
+Twin: dstl/_fast/_keyed_py.py (byte-identical payloads, same errors).
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_CheckExact
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from cpython.unicode cimport PyUnicode_CheckExact
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy
+
+import msgpack
+
+from dstl._fast._hash cimport _java_hash
+from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
+
+cdef extern from "Python.h":
+    const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+
+
+cdef object _packb = msgpack.packb
+
+
+cdef inline int32_t _murmur(uint32_t c) noexcept nogil:
+    """Flink's MathUtils.murmurHash (docs/rescaling.md §3), as in dstl/_fast/_hash.pyx."""
+    c *= 0xCC9E2D51u
+    c = (c << 15) | (c >> 17)
+    c *= 0x1B873593u
+    c = (c << 13) | (c >> 19)
+    c = c * 5u + 0xE6546B64u
+    c ^= 4u
+    c ^= c >> 16
+    c *= 0x85EBCA6Bu
+    c ^= c >> 13
+    c *= 0xC2B2AE35u
+    c ^= c >> 16
+    cdef int32_t m = <int32_t>c
+    if m >= 0:
+        return m
+    return 0 if m == -2147483648 else -m
+
+
+cdef class KeyedAppender:
+    """The appends of one keyed state backend: key -> key group, writer append, change counters
+    (see the twin for the contract)."""
+    cdef readonly object backend
+    cdef public object writer_append
+    cdef readonly object key_group_range
+    cdef object maxp_obj
+    cdef int32_t maxp
+    cdef readonly long kg_start, kg_end
+    cdef public int64_t changes, nbytes
+    cdef public bint closed
+    cdef unsigned char* buf
+    cdef Py_ssize_t cap
+
+    def __cinit__(self, backend, writer_append, max_parallelism, key_group_range):
+        self.backend = backend
+        self.writer_append = writer_append
+        self.maxp_obj = max_parallelism
+        self.maxp = max_parallelism
+        self.key_group_range = key_group_range
+        self.kg_start = key_group_range.start
+        self.kg_end = key_group_range.end
+        self.buf = NULL
+        self.cap = 0
+
+    def __dealloc__(self):
+        free(self.buf)
+
+    cpdef long kg(self, key) except -1:
+        cdef long g
+        if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+            return key_group_of(key, self.maxp_obj, self.kg_start, self.kg_end, self.key_group_range)
+        g = _murmur(_java_hash(key)) % self.maxp
+        if g < self.kg_start or g > self.kg_end:
+            raise ValueError(f"key {key!r} belongs to key group {g}, outside this backend's range "
+                             f"{self.key_group_range}")
+        return g
+
+    cdef int _append(self, long kg, bytes payload) except -1:
+        if self.closed:
+            raise closed_error(self.backend)
+        try:
+            self.writer_append(kg, payload)
+        except OSError as exc:
+            self.backend._deferred_error = exc
+        self.changes += 1
+        self.nbytes += PyBytes_GET_SIZE(payload)
+        return 0
+
+    def append(self, long kg, bytes payload):
+        """Log one encoded change of key group `kg`."""
+        self._append(kg, payload)
+
+    def for_state(self, state_id, name):
+        cdef StateAppender s = StateAppender.__new__(StateAppender)
+        s.k = self
+        s.state_id = state_id
+        s.sid = state_id
+        s.name = name
+        s.tables = self.backend._table
+        return s
+
+    cdef inline int _reserve(self, Py_ssize_t need) except -1:
+        cdef Py_ssize_t cap
+        cdef void* p
+        if need <= self.cap:
+            return 0
+        cap = self.cap * 2 if self.cap else 256
+        while cap < need:
+            cap *= 2
+        p = realloc(self.buf, cap)
+        if p == NULL:
+            raise MemoryError()
+        self.buf = <unsigned char*>p
+        self.cap = cap
+        return 0
+
+
+cdef inline void be16(unsigned char* p, uint16_t v) noexcept:
+    p[0] = <unsigned char>(v >> 8)
+    p[1] = <unsigned char>v
+
+
+cdef inline void be32(unsigned char* p, uint32_t v) noexcept:
+    p[0] = <unsigned char>(v >> 24)
+    p[1] = <unsigned char>(v >> 16)
+    p[2] = <unsigned char>(v >> 8)
+    p[3] = <unsigned char>v
+
+
+cdef inline void be64(unsigned char* p, uint64_t v) noexcept:
+    be32(p, <uint32_t>(v >> 32))
+    be32(p + 4, <uint32_t>v)
+
+
+cdef inline Py_ssize_t pack_int(unsigned char* p, int64_t d) noexcept:
+    """msgpack's smallest form of an int64 (as msgpack-python's packer picks it)."""
+    if d < -(1 << 5):
+        if d < -(1 << 15):
+            if d < -(<int64_t>1 << 31):
+                p[0] = 0xd3
+                be64(p + 1, <uint64_t>d)
+                return 9
+            p[0] = 0xd2
+            be32(p + 1, <uint32_t>d)
+            return 5
+        if d < -(1 << 7):
+            p[0] = 0xd1
+            be16(p + 1, <uint16_t>d)
+            return 3
+        p[0] = 0xd0
+        p[1] = <unsigned char>d
+        return 2
+    if d < (1 << 7):
+        p[0] = <unsigned char>d  # positive or negative fixint
+        return 1
+    if d < (1 << 8):
+        p[0] = 0xcc
+        p[1] = <unsigned char>d
+        return 2
+    if d < (1 << 16):
+        p[0] = 0xcd
+        be16(p + 1, <uint16_t>d)
+        return 3
+    if d < (<int64_t>1 << 32):
+        p[0] = 0xce
+        be32(p + 1, <uint32_t>d)
+        return 5
+    p[0] = 0xcf
+    be64(p + 1, <uint64_t>d)
+    return 9
+
+
+cdef inline Py_ssize_t pack_head(unsigned char* p, Py_ssize_t n, int fix, int fixmax, int c8, int c16,
+                                 int c32) noexcept:
+    """A str/bin header: fix form (when fix >= 0 and n < fixmax), then 8/16/32-bit lengths."""
+    if fix >= 0 and n < fixmax:
+        p[0] = <unsigned char>(fix | n)
+        return 1
+    if n < 256:
+        p[0] = <unsigned char>c8
+        p[1] = <unsigned char>n
+        return 2
+    if n < 65536:
+        p[0] = <unsigned char>c16
+        be16(p + 1, <uint16_t>n)
+        return 3
+    p[0] = <unsigned char>c32
+    be32(p + 1, <uint32_t>n)
+    return 5
+
+
+cdef Py_ssize_t pack_obj(KeyedAppender k, Py_ssize_t pos, object o) except -1:
+    """Append msgpack of `o` at k.buf[pos:]; returns the new position. Raises what msgpack raises."""
+    cdef long long d
+    cdef int overflow = 0
+    cdef Py_ssize_t n
+    cdef const char* s
+    cdef double f
+    cdef uint64_t bits
+    if PyLong_CheckExact(o):
+        d = PyLong_AsLongLongAndOverflow(o, &overflow)
+        if not overflow:
+            k._reserve(pos + 9)
+            return pos + pack_int(k.buf + pos, d)
+    elif PyUnicode_CheckExact(o):
+        try:
+            s = PyUnicode_AsUTF8AndSize(o, &n)
+        except UnicodeError:
+            s = NULL  # msgpack raises its own error below
+        if s != NULL and n <= 0xFFFFFFFF:
+            k._reserve(pos + 5 + n)
+            pos += pack_head(k.buf + pos, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
+            memcpy(k.buf + pos, s, n)
+            return pos + n
+    elif PyBytes_CheckExact(o):
+        n = PyBytes_GET_SIZE(o)
+        if n <= 0xFFFFFFFF:
+            k._reserve(pos + 5 + n)
+            pos += pack_head(k.buf + pos, n, -1, 0, 0xc4, 0xc5, 0xc6)
+            memcpy(k.buf + pos, PyBytes_AS_STRING(o), n)
+            return pos + n
+    elif o is None or o is True or o is False:
+        k._reserve(pos + 1)
+        k.buf[pos] = 0xc0 if o is None else (0xc3 if o is True else 0xc2)
+        return pos + 1
+    elif PyFloat_CheckExact(o):
+        f = PyFloat_AS_DOUBLE(o)
+        memcpy(&bits, &f, 8)
+        k._reserve(pos + 9)
+        k.buf[pos] = 0xcb
+        be64(k.buf + pos + 1, bits)
+        return pos + 9
+    packed = _packb(o, use_bin_type=True)
+    n = PyBytes_GET_SIZE(packed)
+    k._reserve(pos + n)
+    memcpy(k.buf + pos, PyBytes_AS_STRING(packed), n)
+    return pos + n
+
+
+cdef class StateAppender:
+    """The single-key changes of one state: `change(op, key, *fields)` logs `[state_id, key, *fields]`
+    under operation `op` and returns the key's key group."""
+    cdef KeyedAppender k
+    cdef readonly object state_id
+    cdef readonly object name
+    cdef object sid
+    cdef dict tables
+
+    @property
+    def appender(self):
+        return self.k
+
+    def set(self, int op, key, logged, value):
+        """`change(op, key, logged)`, then `value` becomes the key's entry in this state's table."""
+        cdef long g = self._change(op, key, (logged,))
+        t = self.tables.get(g)
+        if t is None:
+            t = self.tables[g] = {}
+        s = (<dict>t).get(self.name)
+        if s is None:
+            s = (<dict>t)[self.name] = {}
+        (<dict>s)[key] = value
+        return g
+
+    def change(self, int op, key, *fields):
+        return self._change(op, key, fields)
+
+    cdef long _change(self, int op, key, tuple fields) except -1:
+        cdef KeyedAppender k = self.k
+        cdef long g = k.kg(key)
+        cdef Py_ssize_t pos, i, nf = len(fields)
+        try:
+            if nf > 13 or op < 0 or op > 255:  # beyond a fixarray or an op byte: as the twin does it
+                payload = bytes((op,)) + _packb([self.sid, key, *fields], use_bin_type=True)
+                k._append(g, payload)
+                return g
+            k._reserve(2)
+            k.buf[0] = <unsigned char>op
+            k.buf[1] = <unsigned char>(0x90 | (nf + 2))
+            pos = pack_obj(k, 2, self.sid)
+            pos = pack_obj(k, pos, key)
+            for i in range(nf):
+                pos = pack_obj(k, pos, fields[i])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise serialize_error(exc, self.name, key) from exc
+        k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
+        return g

@@ -1,0 +1,247 @@
+"""The layer map of dstl, read from the real imports.
+
+Parses every module under dstl/ with `ast` (nothing is imported or run), resolves each import to a
+dstl module, assigns every module to a layer (LAYERS, bottom first) and reports:
+
+  python scripts/import_graph.py                  # the Mermaid diagram on stdout
+  python scripts/import_graph.py --format dot     # the same as Graphviz DOT (dot -Tsvg > layers.svg)
+  python scripts/import_graph.py --check          # list upward imports; exit 1 if there is any
+  python scripts/import_graph.py --write docs/contributing.md   # refresh the diagram in that page
+
+A module may import only from its own layer or the layers below it. tests/test_layers.py runs the
+same checks, and checks that the diagram in docs/contributing.md is the one this script draws.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from collections import defaultdict
+from functools import lru_cache
+from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PACKAGE = "dstl"
+
+# (layer, description, module prefixes), bottom first. A module belongs to the layer of the longest
+# prefix that matches it ("dstl.a" matches dstl.a and dstl.a.*); EXACT places single modules.
+LAYERS: List[Tuple[str, str, List[str]]] = [
+    ("foundation", "errors, value types, options, metrics",
+     ["dstl.errors", "dstl.types", "dstl.config", "dstl.metrics", "dstl._lazy", "dstl._timer"]),
+    ("_fast", "Cython kernels and their pure-Python twins", ["dstl._fast"]),
+    ("_impl", "picks the Cython module or its twin", ["dstl._impl"]),
+    ("format", "byte format, compression, key-group math", ["dstl.format", "dstl.keygroups"]),
+    ("changelog.base", "handles, registry, file systems, checkpoint files", ["dstl.changelog"]),
+    ("upload", "scheduler, retries, throttle, uploader, the upload service", ["dstl.changelog.upload"]),
+    ("changelog", "writer, storage, reader",
+     ["dstl.changelog.writer", "dstl.changelog.storage", "dstl.changelog.reader"]),
+    ("state", "keyed and operator state, materialization, checkpoint metadata", ["dstl.state"]),
+    ("spark", "the dstl.spark library API", ["dstl.spark"]),
+    ("app", "the demo and pipeline application", ["dstl.app"]),
+    ("tools", "dstl inspect, dump, gc, demo", ["dstl.tools"]),
+    ("entry", "the dstl facade and command line", ["dstl.cli", "dstl.__main__"]),
+]
+EXACT: Dict[str, str] = {"dstl": "entry"}
+RANK: Dict[str, int] = {name: i for i, (name, _, _) in enumerate(LAYERS)}
+
+
+class Import(NamedTuple):
+    source: str   # importing module
+    target: str   # imported dstl module (a package means its __init__)
+    line: int
+
+
+def module_files(root: str = ROOT) -> Dict[str, str]:
+    """Dotted module name -> path, for every .py file of the package (packages as their name)."""
+    return dict(_module_files(os.path.abspath(root)))
+
+
+@lru_cache(maxsize=None)
+def _module_files(root: str) -> Tuple[Tuple[str, str], ...]:
+    out: Dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, PACKAGE)):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join(rel)] = os.path.join(dirpath, name)
+    return tuple(out.items())
+
+
+def _resolve(name: str, modules: Set[str]) -> str:
+    """The longest dstl module that `name` (a.b.c, maybe an attribute path) starts with."""
+    parts = name.split(".")
+    while parts and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts) if parts else name
+
+
+def imports_of(module: str, path: str, modules: Set[str]) -> Iterator[Import]:
+    """Every dstl import in one file, function-level and TYPE_CHECKING imports included."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = os.path.basename(path) == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                # A bare `import dstl` (to find the package's directory) uses nothing of the facade,
+                # whose __init__ has run anyway; `from dstl import name` does and is an edge.
+                if alias.name.startswith(PACKAGE + "."):
+                    yield Import(module, _resolve(alias.name, modules), node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            if not (origin == PACKAGE or origin.startswith(PACKAGE + ".")):
+                continue
+            for alias in node.names:  # `from dstl import format` imports the module dstl.format
+                candidate = f"{origin}.{alias.name}"
+                target = candidate if candidate in modules else _resolve(origin, modules)
+                yield Import(module, target, node.lineno)
+
+
+def all_imports(root: str = ROOT) -> List[Import]:
+    files = module_files(root)
+    names = set(files)
+    return sorted({imp for m, p in files.items() for imp in imports_of(m, p, names)})
+
+
+def layer_of(module: str) -> Optional[str]:
+    """The layer a module belongs to, or None when no layer claims it."""
+    if module in EXACT:
+        return EXACT[module]
+    best: Optional[Tuple[int, str]] = None
+    for name, _, prefixes in LAYERS:
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), name)
+    return best[1] if best else None
+
+
+def is_facade_reexport(imp: Import, root: str = ROOT) -> bool:
+    """A package's __init__ importing its own submodules re-exports them: not a layer edge."""
+    path = module_files(root).get(imp.source, "")
+    return path.endswith("__init__.py") and imp.target.startswith(imp.source + ".")
+
+
+def upward_imports(imports: List[Import], root: str = ROOT) -> List[Import]:
+    """Imports from a lower layer into a higher one."""
+    out = []
+    for imp in imports:
+        src, dst = layer_of(imp.source), layer_of(imp.target)
+        if src and dst and RANK[dst] > RANK[src] and not is_facade_reexport(imp, root):
+            out.append(imp)
+    return out
+
+
+def layer_edges(imports: List[Import], root: str = ROOT) -> Dict[Tuple[str, str], int]:
+    """(importing layer, imported layer) -> number of imports, without a layer's own imports."""
+    edges: Dict[Tuple[str, str], int] = defaultdict(int)
+    for imp in imports:
+        src, dst = layer_of(imp.source), layer_of(imp.target)
+        if src and dst and src != dst and not is_facade_reexport(imp, root):
+            edges[(src, dst)] += 1
+    return dict(edges)
+
+
+def _members(root: str) -> Dict[str, List[str]]:
+    members: Dict[str, List[str]] = defaultdict(list)
+    for module in module_files(root):
+        layer = layer_of(module)
+        if layer:
+            members[layer].append(module)
+    return members
+
+
+def _short(layer: str, modules: List[str]) -> str:
+    """Module names of a layer, shortened: 'writer, storage, reader' or 'dstl.state.*'."""
+    prefixes = [p for name, _, ps in LAYERS if name == layer for p in ps]
+    if len(prefixes) == 1 and len(modules) > 3:
+        return prefixes[0].replace("dstl.", "", 1) + "/"
+    return ", ".join(sorted({m.split(".")[-1] for m in modules}))
+
+
+def mermaid(root: str = ROOT) -> str:
+    """A Mermaid flowchart: one node per layer, top layer first, an arrow per importing pair."""
+    imports = all_imports(root)
+    members = _members(root)
+    bad = {(layer_of(i.source), layer_of(i.target)) for i in upward_imports(imports, root)}
+    lines = ["flowchart TD"]
+    for name, description, _ in reversed(LAYERS):
+        if name in members:
+            ident = name.replace(".", "_").lstrip("_")
+            lines.append(f'    {ident}["<b>{name}</b><br/>{description}<br/><i>{_short(name, members[name])}</i>"]')
+    red = []
+    for n, ((src, dst), count) in enumerate(sorted(layer_edges(imports, root).items(),
+                                                    key=lambda e: (-RANK[e[0][0]], -RANK[e[0][1]]))):
+        a, b = src.replace(".", "_").lstrip("_"), dst.replace(".", "_").lstrip("_")
+        lines.append(f"    {a} --> {b}")
+        if (src, dst) in bad:
+            red.append(str(n))
+    if red:  # upward imports are drawn in red
+        lines.append(f"    linkStyle {','.join(red)} stroke:#d00,stroke-width:3px")
+    return "\n".join(lines) + "\n"
+
+
+def dot(root: str = ROOT) -> str:
+    """The same graph in Graphviz DOT."""
+    imports = all_imports(root)
+    members = _members(root)
+    bad = {(layer_of(i.source), layer_of(i.target)) for i in upward_imports(imports, root)}
+    lines = ["digraph dstl_layers {", "  rankdir=TB; node [shape=box, fontname=Helvetica];"]
+    for name, description, _ in reversed(LAYERS):
+        if name in members:
+            lines.append(f'  "{name}" [label="{name}\\n{description}\\n{_short(name, members[name])}"];')
+    for (src, dst), count in sorted(layer_edges(imports, root).items()):
+        colour = ', color="#dd0000", penwidth=3' if (src, dst) in bad else ""
+        lines.append(f'  "{src}" -> "{dst}" [tooltip="{count} imports"{colour}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- import-graph:start -->", "<!-- import-graph:end -->"
+
+
+def embed(text: str, diagram: str) -> str:
+    """Replace the fenced Mermaid block between the START and END markers of a Markdown page."""
+    head, sep, rest = text.partition(START)
+    if not sep or END not in rest:
+        raise ValueError(f"the page has no {START} ... {END} markers")
+    return f"{head}{START}\n```mermaid\n{diagram}```\n{END}{rest.partition(END)[2]}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    parser.add_argument("--check", action="store_true", help="list upward imports; exit 1 if any")
+    parser.add_argument("--write", metavar="PAGE", help="refresh the diagram between the markers of PAGE")
+    args = parser.parse_args(argv)
+    if args.check:
+        unplaced = sorted(m for m in module_files() if layer_of(m) is None)
+        bad = upward_imports(all_imports())
+        for m in unplaced:
+            print(f"{m}: belongs to no layer (add it to LAYERS in scripts/import_graph.py)")
+        for imp in bad:
+            print(f"{imp.source}:{imp.line}: {layer_of(imp.source)} imports {imp.target} ({layer_of(imp.target)})")
+        return 1 if bad or unplaced else 0
+    diagram = mermaid() if args.format == "mermaid" else dot()
+    if args.write:
+        with open(args.write, encoding="utf-8") as f:
+            text = f.read()
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(embed(text, diagram))
+        return 0
+    sys.stdout.write(diagram)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
