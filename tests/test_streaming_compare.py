@@ -24,6 +24,19 @@ pytestmark = [
                        reason="heavy Spark comparison: runs once, under the Cython build"),
 ]
 
+
+
+def _has_stateful_stream() -> bool:
+    try:
+        from dstl.spark import StatefulStream  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+# StatefulStream (issue 11) is built on another branch; until both are on main, the native half runs
+needs_stream = pytest.mark.skipif(not _has_stateful_stream(), reason="dstl.spark.StatefulStream is not in this tree yet")
+
 N_BATCHES, EVENTS_PER_BATCH, N_KEYS = 3, 800, 500
 WATERMARK_DELAY = "10 seconds"
 WATERMARK_DELAY_MS = 10_000
@@ -99,6 +112,7 @@ def test_native_sessions_match_pandas(native, stream_input):
 
 # --- dstl's StatefulStream against the native output ------------------------------------------------
 
+@needs_stream
 def test_stream_counting_processor_matches_native(spark, native, stream_input, tmp_path):
     source, _ = stream_input
     out = run_dstl(spark, source, CountingProcessor(), COUNT_OUTPUT, str(tmp_path / "job"),
@@ -106,6 +120,7 @@ def test_stream_counting_processor_matches_native(spark, native, stream_input, t
     _assert_same(out, native("count").output, COUNT_COLS, "StatefulStream(CountingProcessor) vs native")
 
 
+@needs_stream
 def test_stream_vectorised_fn_matches_native(spark, native, stream_input, tmp_path):
     source, _ = stream_input
     out = run_dstl(spark, source, count_fn, COUNT_OUTPUT, str(tmp_path / "job"), str(tmp_path / "ckpt"),
@@ -113,6 +128,7 @@ def test_stream_vectorised_fn_matches_native(spark, native, stream_input, tmp_pa
     _assert_same(out, native("count").output, COUNT_COLS, "StatefulStream(count_fn) vs native")
 
 
+@needs_stream
 def test_stream_ttl_processor_matches_native(spark, native, stream_input, tmp_path):
     source, _ = stream_input
     out = run_dstl(spark, source, TtlProcessor(), TTL_OUTPUT, str(tmp_path / "job"), str(tmp_path / "ckpt"),
@@ -120,6 +136,7 @@ def test_stream_ttl_processor_matches_native(spark, native, stream_input, tmp_pa
     _assert_same(out, native("ttl").output, TTL_COLS, "StatefulStream(TtlProcessor) vs native")
 
 
+@needs_stream
 def test_stream_session_processor_matches_native(spark, native, stream_input, tmp_path):
     source, _ = stream_input
     out = run_dstl(spark, source, SessionProcessor(), SESSION_OUTPUT, str(tmp_path / "job"),
@@ -128,6 +145,7 @@ def test_stream_session_processor_matches_native(spark, native, stream_input, tm
     _assert_same(out, native("session").output, SESSION_COLS, "StatefulStream(SessionProcessor) vs native")
 
 
+@needs_stream
 def test_stream_run_on_static_dataframes_matches_native(spark, native, stream_input, tmp_path):
     """`stream.run(df)` once per file: one checkpoint per call, the same rows as the native stream."""
     from pyspark.sql import functions as F
