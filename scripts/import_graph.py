@@ -27,10 +27,11 @@ PACKAGE = "dstl"
 # (layer, description, module prefixes), bottom first. A module belongs to the layer of the longest
 # prefix that matches it ("dstl.a" matches dstl.a and dstl.a.*); EXACT places single modules.
 LAYERS: List[Tuple[str, str, List[str]]] = [
-    ("foundation", "errors, value types, options, metrics",
-     ["dstl.errors", "dstl.types", "dstl.config", "dstl.metrics", "dstl._lazy", "dstl._timer"]),
+    ("errors", "the error types, lazy re-exports", ["dstl.errors", "dstl._lazy"]),
     ("_fast", "Cython kernels and their pure-Python twins", ["dstl._fast"]),
     ("_impl", "picks the Cython module or its twin", ["dstl._impl"]),
+    ("foundation", "value types (StateChange from _fast), options, metrics, timers",
+     ["dstl.types", "dstl.config", "dstl.metrics", "dstl._timer"]),
     ("format", "byte format, compression, key-group math", ["dstl.format", "dstl.keygroups"]),
     ("changelog.base", "handles, registry, file systems, checkpoint files", ["dstl.changelog"]),
     ("upload", "scheduler, retries, throttle, uploader, the upload service", ["dstl.changelog.upload"]),
