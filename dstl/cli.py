@@ -12,6 +12,7 @@ COMMANDS = {
     "dump": ("dstl.tools.dump", "print the changes of one change set of a changelog file"),
     "gc": ("dstl.tools.gc", "delete changelog files no retained checkpoint references"),
     "demo": ("dstl.tools.demo", "run the demo job"),
+    "state": ("dstl.tools.state_cli", "a job's checkpoints, state and changes; offline max-parallelism change"),
     "pipeline": ("dstl.app.pipeline", "run the stateful PySpark pipeline"),
 }
 

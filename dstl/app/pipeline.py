@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 OPERATOR_ID = "user-activity"
@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "spark-submit: spark-submit's --master)")
     job.add_argument("--resume", action="store_true",
                      help="continue the job at --base-path from its latest checkpoint (any --parallelism)")
+    job.add_argument("--from-checkpoint", type=int, default=None, metavar="N",
+                     help="with --resume: roll back to retained checkpoint N first (later checkpoints are "
+                          "abandoned, their output moves under <output>/_rolled_back/<time>/)")
     job.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                      help="a dstl.dfs.* option for the changelog storage (repeatable)")
     job.add_argument("--materialize-every", type=int, default=200_000, metavar="CHANGES",
@@ -155,6 +158,8 @@ def check_options(args: argparse.Namespace) -> Options:
         _fail(f"--max-parallelism must be <= {UPPER_BOUND_MAX_PARALLELISM}, got {args.max_parallelism}")
     if args.max_parallelism is not None and args.parallelism > args.max_parallelism:
         _fail(f"--parallelism ({args.parallelism}) must not exceed --max-parallelism ({args.max_parallelism})")
+    if getattr(args, "from_checkpoint", None) is not None and not args.resume:
+        _fail("--from-checkpoint needs --resume")
     if args.materialize_every < 0:
         _fail(f"--materialize-every must be >= 0, got {args.materialize_every}")
     for name in ("fail_at", "kill_at", "stop_at"):
@@ -276,6 +281,8 @@ class Report:
     retained_bytes: int = 0
     garbage_files: int = 0
     recovered_output: bool = False
+    #: --from-checkpoint: (checkpoint rolled back to, abandoned checkpoints, batches whose output moved)
+    rolled_back: Optional[Dict[str, Any]] = None
     verify: Optional[List[str]] = None
     first_batch: int = 0
     parallelism: int = 0
@@ -323,6 +330,10 @@ class Report:
                    if self.verify_restore_ms is not None else "")]
             if self.recovered_output:
                 lines.append("  recovery         committed the output of the latest checkpoint left by a crash")
+            if self.rolled_back:
+                rb = self.rolled_back
+                lines.append(f"  rolled back      to checkpoint {rb['checkpoint_id']}: abandoned {rb['abandoned']}, "
+                             f"output of batches {rb['moved_batches']} moved to _rolled_back/{rb['stamp']}/")
         if self.verify is not None:
             lines.append("  verify           " + ("OK: state and output match pandas" if not self.verify
                                                   else f"FAILED ({len(self.verify)} problems)"))
@@ -346,14 +357,16 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
     try:
         coord = CheckpointCoordinator.open(args.base_path, spec, opts.storage, resume=args.resume,
                                            retain=args.retain, backend_options=backend_options,
-                                           durable=args.state == "dstl")
+                                           durable=args.state == "dstl",
+                                           resume_from=getattr(args, "from_checkpoint", None))
     except JobConflictError as exc:
         raise UsageError(str(exc)) from None
     maxp = coord.spec.max_parallelism
     if args.parallelism > maxp:
         raise UsageError(f"--parallelism ({args.parallelism}) must not exceed the job's max parallelism ({maxp})")
     report = Report(first_batch=coord.next_batch, parallelism=args.parallelism, max_parallelism=maxp,
-                    job_id=coord.spec.job_id, state=args.state, recovered_output=coord.recovered_output)
+                    job_id=coord.spec.job_id, state=args.state, recovered_output=coord.recovered_output,
+                    rolled_back=None if coord.rolled_back is None else asdict(coord.rolled_back))
     own_session = False
     if spark is None:
         from pyspark.sql import SparkSession

@@ -23,6 +23,8 @@ _EXPORTS: Dict[str, str] = {
     "CheckpointCoordinator": "dstl.spark.coordinator", "JobSpec": "dstl.spark.coordinator",
     "JobConflictError": "dstl.spark.coordinator",
     "StatefulJob": "dstl.spark.job", "BatchResult": "dstl.spark.job",
+    "read_state": "dstl.spark.state_reader", "read_changes": "dstl.spark.state_reader",
+    "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
 }
 __all__ = sorted(_EXPORTS)
 

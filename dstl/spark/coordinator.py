@@ -1,6 +1,7 @@
 """CheckpointCoordinator: the driver side of exactly-once micro-batches.
 
-One micro-batch is one checkpoint (id = batch + 1). For each batch:
+One micro-batch is one checkpoint (id = batch + 1, or the latest checkpoint's id + 1 after an offline
+`dstl state rescale` added one). For each batch:
 
 1. `plan()` tells the tasks which checkpoint to write and which completed one to continue from
    (with the attempt token each subtask's snapshot came from, so a worker's cache can tell whether
@@ -17,6 +18,9 @@ One micro-batch is one checkpoint (id = batch + 1). For each batch:
    has just uploaded are never touched; all of them at `finish()`).
 
 The base path holds one job: `<base>/_dstl_job.json` names it; a different job there is an error.
+Paths under the base path (the output directory in the job file, the staged and final output files
+in the checkpoint properties, the changelog files in the metadata) are stored relative to it, so the
+whole base path can be copied or moved and resumed from its new place (dstl.state.relpaths).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
+from dstl.state.relpaths import relative_to, resolve
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +112,19 @@ class CheckpointCoordinator:
         self._suspects: Set[str] = set()
         self._known_files: Dict[str, int] = {}
         self.recovered_output = False
+        self.rolled_back = None  # RollbackResult when opened with resume_from
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
     def open(cls, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, resume: bool,
              retain: int = 2, backend_options: Optional[Dict[str, Any]] = None,
-             durable: bool = True) -> "CheckpointCoordinator":
+             durable: bool = True, resume_from: Optional[int] = None) -> "CheckpointCoordinator":
         """Start a new job (`resume=False`: the base path must not hold one) or resume the one there.
 
         On resume the stored spec wins for the job id; operator, max parallelism, output and params
         must match what the caller passes (`spec.max_parallelism` 0 = take the stored one).
+        `resume_from`: roll back to this retained checkpoint first (dstl.spark.rollback): later
+        checkpoints are abandoned and their committed output moves under `<output>/_rolled_back/`.
         """
         from dstl.state.metadata import latest_checkpoint, list_checkpoints
 
@@ -124,12 +132,18 @@ class CheckpointCoordinator:
         fs, root = _fs(base)
         job_file = _join(root, JOB_FILE)
         stored = None
+        stored_raw = None
         if fs.exists(job_file):
             with fs.open(job_file, "rb") as f:
                 try:
                     stored = JobSpec(**json.loads(f.read().decode()))
                 except (ValueError, TypeError) as exc:
                     raise JobConflictError(f"{_join(base, JOB_FILE)} is not a dstl job file: {exc}") from None
+            stored_raw = stored.output_path
+            if stored.output_path:
+                stored.output_path = resolve(base, stored.output_path)
+        if resume_from is not None and not resume:
+            raise JobConflictError("resume_from (--from-checkpoint) needs resume (--resume)")
         if not resume:
             if stored is not None:
                 raise JobConflictError(f"base path {base} already holds job {stored.job_id} "
@@ -138,21 +152,40 @@ class CheckpointCoordinator:
                 raise JobConflictError(f"base path {base} already holds checkpoints of another job; "
                                        f"use another base path")
             fs.makedirs(root, exist_ok=True)
-            with fs.open(job_file, "wb") as f:
-                f.write(json.dumps(asdict(spec), indent=1, sort_keys=True).encode())
+            _write_job_file(fs, job_file, base, spec)
             return cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
                        durable=durable)
         if stored is None:
             raise JobConflictError(f"nothing to resume: base path {base} holds no dstl job ({JOB_FILE} missing)")
-        _check_same(stored, spec)
+        _check_same(stored, spec, base)
+        if stored_raw and stored.output_path and relative_to(base, stored.output_path) != stored_raw:
+            _write_job_file(fs, job_file, base, stored)  # upgrade an absolute-path job file
         coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options)
+        from dstl.spark.rollback import finish_roll_back, roll_back
         from dstl.state.metadata import CheckpointJobMismatchError
+        from dstl.state.reader import StateReadError
+
+        finish_roll_back(base)  # one that a crash interrupted
+        if resume_from is not None:
+            out = relative_to(base, stored.output_path) if stored.output_path else None
+            try:
+                coord.rolled_back = roll_back(base, resume_from, out)
+            except StateReadError as exc:
+                raise JobConflictError(str(exc)) from None
 
         try:
             coord.latest = latest_checkpoint(base, job_id=stored.job_id)
         except CheckpointJobMismatchError as exc:
             raise JobConflictError(str(exc)) from None
         if coord.latest is not None:
+            if coord.latest.max_parallelism != stored.max_parallelism \
+                    and coord.latest.properties.get("rescaled_from") is not None \
+                    and not spec.max_parallelism:
+                # an offline max-parallelism change; a crash may have kept it from the job file
+                from dstl.state.rescale import update_job_file
+
+                update_job_file(base, coord.latest.max_parallelism)
+                stored.max_parallelism = coord.latest.max_parallelism
             if coord.latest.max_parallelism != stored.max_parallelism:
                 raise JobConflictError(f"checkpoint {coord.latest.checkpoint_id} has max parallelism "
                                        f"{coord.latest.max_parallelism}, the job file says {stored.max_parallelism}")
@@ -179,7 +212,8 @@ class CheckpointCoordinator:
             tokens = tuple(latest.properties["tokens"])
         return CheckpointPlan(
             job_id=self.spec.job_id, operator_id=self.spec.operator_id, base_path=self.base_path,
-            storage_options=self.storage_options, checkpoint_id=batch + 1, batch=batch,
+            storage_options=self.storage_options,
+            checkpoint_id=batch + 1 if latest is None else max(batch + 1, latest.checkpoint_id + 1), batch=batch,
             parallelism=parallelism, max_parallelism=self.spec.max_parallelism,
             output_path=self.spec.output_path,
             restore_checkpoint_id=None if latest is None else latest.checkpoint_id,
@@ -202,8 +236,9 @@ class CheckpointCoordinator:
         subtasks = [snapshot_to_subtask_state(r.subtask, r.snapshot) for r in ordered]
         files: List[List[str]] = []
         for r in ordered:
-            if r.staged:
-                files.append([r.staged, self._final_path(plan.batch, r.subtask)])
+            if r.staged:  # relative to the base path when under it: the job stays relocatable
+                files.append([relative_to(self.base_path, r.staged),
+                              relative_to(self.base_path, self._final_path(plan.batch, r.subtask))])
         props = dict(properties or {})
         props.update({"batch": plan.batch, "job_id": self.spec.job_id, "operator_id": self.spec.operator_id,
                       "tokens": [r.token for r in ordered],
@@ -248,6 +283,8 @@ class CheckpointCoordinator:
             return False
         out = meta.properties.get("output") or {}
         batch = int(out.get("batch", meta.properties["batch"]))
+        if batch < 0:  # a bootstrapped first checkpoint: no batch, no output
+            return False
         fs, root = _fs(self.spec.output_path)
         batch_dir = _join(root, f"batch-{batch:06d}")
         marker = _join(batch_dir, "_SUCCESS")
@@ -255,6 +292,7 @@ class CheckpointCoordinator:
             return False
         fs.makedirs(batch_dir, exist_ok=True)
         for staged, final in out.get("files", []):
+            staged, final = resolve(self.base_path, staged), resolve(self.base_path, final)
             _, staged_p = _fs(staged)
             _, final_p = _fs(final)
             if fs.exists(staged_p):
@@ -349,14 +387,26 @@ class CheckpointCoordinator:
         return self.collect_garbage(final=True)[2]
 
 
-def _check_same(stored: JobSpec, asked: JobSpec) -> None:
+def _write_job_file(fs, job_file: str, base: str, spec: JobSpec) -> None:
+    d = asdict(spec)
+    if d.get("output_path"):
+        d["output_path"] = relative_to(base, d["output_path"])
+    with fs.open(job_file, "wb") as f:
+        f.write(json.dumps(d, indent=1, sort_keys=True).encode())
+
+
+def _same_place(base: str, a: str, b: str) -> bool:
+    return relative_to(base, a).rstrip("/") == relative_to(base, b).rstrip("/")
+
+
+def _check_same(stored: JobSpec, asked: JobSpec, base: str) -> None:
     if asked.operator_id != stored.operator_id:
         raise JobConflictError(f"base path holds job {stored.job_id} of operator {stored.operator_id!r}, "
                                f"not {asked.operator_id!r}")
     if asked.max_parallelism and asked.max_parallelism != stored.max_parallelism:
         raise JobConflictError(f"job {stored.job_id} was started with max parallelism {stored.max_parallelism}; "
                                f"it cannot change (asked for {asked.max_parallelism})")
-    if asked.output_path and stored.output_path and asked.output_path.rstrip("/") != stored.output_path.rstrip("/"):
+    if asked.output_path and stored.output_path and not _same_place(base, asked.output_path, stored.output_path):
         raise JobConflictError(f"job {stored.job_id} writes its output to {stored.output_path}, "
                                f"not {asked.output_path}")
     for k, v in asked.params.items():

@@ -279,7 +279,7 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
 
 def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
     """Continue or restore subtask `subtask`'s state, apply `fn`, stage the output, snapshot."""
-    from dstl.spark.cache import CACHE, storage_for
+    from dstl.spark.cache import CACHE, CacheEntry, storage_for
 
     if not plan.durable:
         return _run_in_memory(plan, fn, rows, subtask, attempt, arrow_schema)
@@ -290,6 +290,10 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
     t0 = time.perf_counter()
     want_token = plan.restore_tokens[subtask] if plan.restore_tokens is not None else None
     backend = CACHE.acquire(key, plan.restore_checkpoint_id, want_token)
+    if backend is not None and backend.storage is not storage:
+        # the same checkpoint at another base path (a copied job): its writer would log to the old place
+        CACHE._close_stale(CacheEntry(backend, plan.restore_checkpoint_id, want_token), None)
+        backend = None
     restored = backend is None
     if backend is None:
         backend = open_backend(storage, plan, subtask)

@@ -17,6 +17,8 @@ _EXPORTS: Dict[str, str] = {
     "latest_checkpoint": "dstl.state.metadata",
     "snapshot_operator_state": "dstl.state.operator", "restore_operator_state": "dstl.state.operator",
     "list_checkpoints": "dstl.state.metadata", "retained_files": "dstl.state.metadata",
+    "read_state_pandas": "dstl.state.reader", "read_changes_pandas": "dstl.state.reader",
+    "StateReadError": "dstl.state.reader", "read_timers_pandas": "dstl.state.reader",
 }
 __all__ = sorted(_EXPORTS)
 

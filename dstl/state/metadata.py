@@ -5,6 +5,11 @@ Layout: `<base>/checkpoints/chk-<id>/_metadata`, on any fsspec filesystem. The f
 such a checkpoint is skipped by `latest_checkpoint`. Changelog and materialized handles are stored
 with `ChangelogStateHandleStreamImpl.to_bytes`, operator state handles (small, inline streams) with
 `OperatorStateHandle.to_bytes`.
+
+Relocatable: `write_checkpoint` stores every file under the base path relative to it
+(dstl.state.relpaths) and `read_checkpoint` resolves them against the base path it reads from, so a
+copied or moved base path restores from its new place. Metadata written with absolute paths still
+reads; the next checkpoint a resumed job writes stores them relative.
 """
 from __future__ import annotations
 
@@ -27,13 +32,16 @@ log = logging.getLogger(__name__)
 MAGIC = b"\x89DSTLCK1"  # 8 bytes; the high first byte keeps text tools from mistaking it for text
 METADATA_FILE = "_metadata"
 CHECKPOINTS_DIR = "checkpoints"
+# Version 1 throughout: a stored path without a scheme and without a leading "/" is relative to the
+# base path (dstl.state.relpaths), so metadata with absolute paths (as written before) reads unchanged.
 _FORMAT_VERSION = 1
+_READABLE_VERSIONS = (1,)
 _CHK_RE = re.compile(r"^chk-(\d+)$")
 
 __all__ = [
     "SubtaskState", "CheckpointMetadata", "CorruptCheckpointError", "CheckpointJobMismatchError",
     "write_checkpoint", "read_checkpoint", "latest_checkpoint", "list_checkpoints", "retained_files",
-    "checkpoint_path", "remove_checkpoint",
+    "checkpoint_path", "remove_checkpoint", "base_of_metadata_file",
 ]
 
 
@@ -122,21 +130,39 @@ class SubtaskState:
                 seen.setdefault(f, None)
         return list(seen)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self, base: Optional[str] = None) -> Dict[str, Any]:
+        """Plain form; with `base`, files under it are stored relative to it."""
+        def enc(h):
+            if base is not None:
+                from dstl.state.relpaths import map_handle_paths, relative_to
+
+                h = map_handle_paths(h, lambda p: relative_to(base, p))
+            return h.to_bytes()
+
         return {
             "index": self.index,
             "kgr": [self.key_group_range.start, self.key_group_range.end],
-            "materialized": [h.to_bytes() for h in self.materialized],
-            "changelog": [h.to_bytes() for h in self.changelog],
+            "materialized": [enc(h) for h in self.materialized],
+            "changelog": [enc(h) for h in self.changelog],
             "operator_state": [h.to_bytes() for h in self.operator_state],
         }
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "SubtaskState":
+    def from_dict(cls, d: Dict[str, Any], base: Optional[str] = None) -> "SubtaskState":
+        """From `to_dict`'s form; with `base`, relative file paths are resolved against it."""
         H, O = _changelog_handle_type(), _operator_handle_type()
+
+        def dec(b):
+            h = H.from_bytes(b)
+            if base is not None:
+                from dstl.state.relpaths import map_handle_paths, resolve
+
+                h = map_handle_paths(h, lambda p: resolve(base, p))
+            return h
+
         start, end = d["kgr"]
-        return cls(d["index"], KeyGroupRange(start, end), [H.from_bytes(b) for b in d["materialized"]],
-                   [H.from_bytes(b) for b in d["changelog"]], [O.from_bytes(b) for b in d["operator_state"]])
+        return cls(d["index"], KeyGroupRange(start, end), [dec(b) for b in d["materialized"]],
+                   [dec(b) for b in d["changelog"]], [O.from_bytes(b) for b in d["operator_state"]])
 
     def __eq__(self, other) -> bool:
         if isinstance(other, SubtaskState):
@@ -210,37 +236,42 @@ class CheckpointMetadata:
         """Every subtask's operator state handles: the input of `dstl.state.operator.repartition`."""
         return [list(s.operator_state) for s in self.subtasks]
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self, base: Optional[str] = None) -> Dict[str, Any]:
+        """Plain form; with `base`, handle files under it are stored relative to it."""
         return {
             "v": _FORMAT_VERSION, "checkpoint_id": self.checkpoint_id, "job_id": self.job_id,
             "timestamp_ms": self.timestamp_ms, "max_parallelism": self.max_parallelism,
             "parallelism": self.parallelism, "properties": self.properties,
-            "subtasks": [s.to_dict() for s in self.subtasks],
+            "subtasks": [s.to_dict(base) for s in self.subtasks],
         }
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "CheckpointMetadata":
+    def from_dict(cls, d: Dict[str, Any], base: Optional[str] = None) -> "CheckpointMetadata":
+        """From `to_dict`'s form; with `base`, relative handle paths are resolved against it."""
         if not isinstance(d, dict):
             raise CorruptCheckpointError(f"checkpoint metadata: expected a map, got {type(d).__name__}")
-        if d.get("v") != _FORMAT_VERSION:
+        if d.get("v") not in _READABLE_VERSIONS:
             raise CorruptCheckpointError(f"checkpoint metadata: unsupported version {d.get('v')!r}")
         try:
             return cls(d["checkpoint_id"], d["max_parallelism"], d["parallelism"],
-                       [SubtaskState.from_dict(s) for s in d["subtasks"]], d["properties"],
+                       [SubtaskState.from_dict(s, base) for s in d["subtasks"]], d["properties"],
                        job_id=d["job_id"], timestamp_ms=d["timestamp_ms"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"checkpoint metadata: malformed ({exc})") from exc
 
-    def to_bytes(self) -> bytes:
-        """MAGIC + msgpack body + CRC-32 of the body."""
+    def to_bytes(self, base: Optional[str] = None) -> bytes:
+        """MAGIC + msgpack body + CRC-32 of the body (files under `base` stored relative to it)."""
         try:
-            body = msgpack.packb(self.to_dict(), use_bin_type=True)
+            body = msgpack.packb(self.to_dict(base), use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"checkpoint properties must be msgpack-serialisable: {exc}") from None
         return MAGIC + body + struct.pack(">I", zlib.crc32(body))
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str = "checkpoint metadata") -> "CheckpointMetadata":
+    def from_bytes(cls, data: bytes, *, source: str = "checkpoint metadata",
+                   base: Optional[str] = None) -> "CheckpointMetadata":
+        """Parse `to_bytes`' output; relative file paths are resolved against `base` when given
+        (see `base_of_metadata_file`), else left relative."""
         data = bytes(data)
         if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
             raise CorruptCheckpointError(f"{source}: not dstl checkpoint metadata or truncated ({len(data)} bytes)")
@@ -252,7 +283,7 @@ class CheckpointMetadata:
         except Exception as exc:
             raise CorruptCheckpointError(f"{source}: body is not valid msgpack ({exc})") from exc
         try:
-            return cls.from_dict(d)
+            return cls.from_dict(d, base)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{source}: {exc}") from exc
 
@@ -366,7 +397,7 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
     fs.invalidate_cache(path.rsplit("/", 1)[0])
     if not overwrite and fs.exists(path):
         raise FileExistsError(f"checkpoint {metadata.checkpoint_id} already exists at {checkpoint_path(base_path, metadata.checkpoint_id)}")
-    data = metadata.to_bytes()
+    data = metadata.to_bytes(base=base_path)
     if _is_local(fs):
         _write_local(path, data, overwrite)
     else:
@@ -378,7 +409,7 @@ def _existing_job_id(fs, root: str, exclude: str) -> Optional[str]:
     """The job id of the newest readable checkpoint if it differs from `exclude`, else None."""
     for cp in reversed(_list(fs, root)):
         try:
-            meta = _read(fs, root, cp)
+            meta = _read(fs, root, cp, None)
         except (CorruptCheckpointError, FileNotFoundError):
             continue
         if meta.job_id is not None and meta.job_id != exclude:
@@ -402,10 +433,10 @@ def _list(fs, root: str) -> List[int]:
     return sorted(ids)
 
 
-def _read(fs, root: str, checkpoint_id: int) -> CheckpointMetadata:
+def _read(fs, root: str, checkpoint_id: int, base: Optional[str]) -> CheckpointMetadata:
     path = _join(root, CHECKPOINTS_DIR, f"chk-{checkpoint_id}", METADATA_FILE)
     data = fs.cat_file(path)
-    meta = CheckpointMetadata.from_bytes(data, source=path)
+    meta = CheckpointMetadata.from_bytes(data, source=path, base=base)
     if meta.checkpoint_id != checkpoint_id:
         raise CorruptCheckpointError(f"{path}: holds checkpoint {meta.checkpoint_id}, not {checkpoint_id}")
     return meta
@@ -422,7 +453,7 @@ def read_checkpoint(base_path: str, checkpoint_id: int) -> CheckpointMetadata:
     fs, root = _fs(base_path)
     checkpoint_id = _int("checkpoint_id", checkpoint_id)
     try:
-        return _read(fs, root, checkpoint_id)
+        return _read(fs, root, checkpoint_id, os.fspath(base_path))
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint {checkpoint_id} at {base_path} "
                                 f"(missing {checkpoint_path(base_path, checkpoint_id)})") from None
@@ -436,7 +467,7 @@ def latest_checkpoint(base_path: str, *, job_id: Optional[str] = None) -> Option
     fs, root = _fs(base_path)
     for cp in reversed(_list(fs, root)):
         try:
-            meta = _read(fs, root, cp)
+            meta = _read(fs, root, cp, os.fspath(base_path))
         except FileNotFoundError:
             continue  # removed while we looked
         except CorruptCheckpointError as exc:
@@ -446,6 +477,16 @@ def latest_checkpoint(base_path: str, *, job_id: Optional[str] = None) -> Option
             raise CheckpointJobMismatchError(f"{base_path} holds checkpoints of job {meta.job_id}, not {job_id}")
         return meta
     return None
+
+
+def base_of_metadata_file(path: str) -> str:
+    """The base path of a `<base>/checkpoints/chk-<id>/_metadata` file (what its relative paths
+    are relative to)."""
+    p = os.fspath(path).rstrip("/")
+    parts = p.rsplit("/", 3)
+    if len(parts) != 4 or parts[1] != CHECKPOINTS_DIR or not _CHK_RE.match(parts[2]):
+        raise ValueError(f"{path} is not <base>/{CHECKPOINTS_DIR}/chk-<id>/{METADATA_FILE}")
+    return parts[0] or "/"
 
 
 def remove_checkpoint(base_path: str, checkpoint_id: int) -> None:

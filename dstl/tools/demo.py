@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", type=int, default=200_000, help="synthetic events (default 200000)")
     p.add_argument("--batches", type=int, default=10, help="micro-batches (default 10)")
     p.add_argument("--master", default="local[2,4]", help="Spark master (default local[2,4])")
+    p.add_argument("--retain", type=int, default=2, help="completed checkpoints kept (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
     p = argparse.ArgumentParser(prog="dstl pipeline")
     pipeline.add_arguments(p)
     argv = ["--base-path", base, "--output", os.path.join(target, "output"), "--events", str(args.events),
-            "--batches", str(args.batches), "--master", args.master, "--verify"]
+            "--batches", str(args.batches), "--master", args.master, "--retain", str(getattr(args, "retain", 2)),
+            "--verify"]
     return pipeline.run(p.parse_args(argv))

@@ -79,7 +79,8 @@ def _key_of_url(url: str) -> str:
 
 def load_retained(manifests: Iterable[str], keep_latest: Optional[int], checkpoints_base: str) -> Set[str]:
     """Keys of every file the retained checkpoints reference."""
-    from dstl.state.metadata import CheckpointMetadata, list_checkpoints, read_checkpoint, retained_files
+    from dstl.state.metadata import (CheckpointMetadata, base_of_metadata_file, list_checkpoints,
+                                     read_checkpoint, retained_files)
 
     metas = []
     for m in manifests:
@@ -88,7 +89,11 @@ def load_retained(manifests: Iterable[str], keep_latest: Optional[int], checkpoi
             data = fs.cat_file(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"checkpoint manifest {m} does not exist") from None
-        metas.append(CheckpointMetadata.from_bytes(data, source=m))
+        try:  # relative file paths are relative to the manifest's base path
+            base = base_of_metadata_file(m)
+        except ValueError:
+            base = None
+        metas.append(CheckpointMetadata.from_bytes(data, source=m, base=base))
     if keep_latest is not None:
         if keep_latest < 1:
             raise ValueError(f"--keep-latest must be >= 1, got {keep_latest}")

@@ -1,0 +1,127 @@
+"""Write a job's first checkpoint from a DataFrame (Flink's State Processor API "bootstrap").
+
+`bootstrap_state(spark, df, base_path, key=..., state_name=..., parallelism=...)` routes the rows to
+their logical subtasks (key group -> operator index, as a running job does), and each Spark task
+builds its subtasks' value state, materializes it and persists the snapshot. The driver receives only
+the serialised snapshots and writes checkpoint 1 and the job file. A job (StatefulJob, the pipeline,
+StatefulStream) resumed at `base_path` continues from it with its first micro-batch.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Dict, Optional, Sequence
+
+__all__ = ["bootstrap_state"]
+
+BOOTSTRAP_OPERATOR = "dstl-bootstrap"
+
+
+def _fields(schema: Any):
+    """Field names of a DDL string / StructType, or None."""
+    if schema is None:
+        return None
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, str):
+        schema = StructType.fromDDL(schema)
+    if not isinstance(schema, StructType):
+        raise TypeError(f"schema must be a DDL string or a StructType, got {type(schema).__name__}")
+    return [f.name for f in schema.fields]
+
+
+def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, schema: Any = None,
+                    max_parallelism: Optional[int] = None, parallelism: int, operator_id: Optional[str] = None,
+                    output_path: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None,
+                    params: Optional[Dict[str, Any]] = None):
+    """Write checkpoint 1 of a new job at `base_path` holding value state `state_name` per `key`.
+
+    The value of each key is its row's `schema` columns as a list (a StatefulProcessor's tuple); with
+    `schema=None`, the one non-key column itself, or a list of all non-key columns. A key must occur
+    once. `operator_id` / `output_path` / `params` go into the job file and must be what the job that
+    continues passes (defaults: "dstl-bootstrap", `<base>/output`, none). Returns the checkpoint's
+    metadata.
+    """
+    import pandas as pd
+
+    from dstl.keygroups import compute_default_max_parallelism
+    from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
+    from dstl.spark.keyed import SUBTASK_COL, ensure_importable_on_workers, with_subtask
+    from dstl.state.metadata import CheckpointMetadata, SubtaskState, list_checkpoints, write_checkpoint
+
+    if key not in df.columns:
+        raise ValueError(f"key column {key!r} not in the DataFrame (columns: {', '.join(df.columns)})")
+    fields = _fields(schema)
+    rest = [c for c in df.columns if c != key]
+    if fields is not None:
+        missing = [f for f in fields if f not in df.columns]
+        if missing:
+            raise ValueError(f"schema fields {missing} are not columns of the DataFrame")
+    elif not rest:
+        raise ValueError("the DataFrame has no value column besides the key")
+    single = fields is None and len(rest) == 1
+    columns = fields if fields is not None else rest
+    maxp = max_parallelism or compute_default_max_parallelism(parallelism)
+    if not isinstance(parallelism, int) or not 1 <= parallelism <= maxp:
+        raise ValueError(f"parallelism must be in 1..{maxp} (max parallelism), got {parallelism!r}")
+    from fsspec.core import url_to_fs
+
+    from dstl.spark.coordinator import JOB_FILE
+
+    bfs, broot = url_to_fs(base_path)
+    if list_checkpoints(base_path) or bfs.exists(f"{broot.rstrip('/')}/{JOB_FILE}"):
+        raise JobConflictError(f"{base_path} already holds a job; bootstrap writes a new job's first checkpoint")
+    job_id = uuid.uuid4().hex
+    operator_id = operator_id or BOOTSTRAP_OPERATOR
+    output = output_path or base_path.rstrip("/") + "/output"
+    ensure_importable_on_workers(spark)
+    opts = dict(storage_options or {})
+    opts.setdefault("dstl.dfs.base-path", base_path)
+    opts["dstl.dfs.upload.mode"] = "direct"
+    keyed = with_subtask(df.select(key, *columns), key, maxp, parallelism)
+    routed = keyed.repartition(parallelism, SUBTASK_COL)
+
+    def task(batches):  # pragma: no cover - runs in the Python worker
+        from dstl.changelog.storage import FsStateChangelogStorage
+        from dstl.keygroups import compute_key_group_range_for_operator_index
+        from dstl.state import KeyedStateBackend
+
+        frames = [b for b in batches if len(b)]
+        if not frames:
+            return
+        rows = pd.concat(frames, ignore_index=True)
+        dup = rows[key].duplicated()
+        if dup.any():
+            raise ValueError(f"key {rows[key][dup].iloc[0]!r} occurs more than once in the bootstrap DataFrame")
+        with FsStateChangelogStorage(opts, job_id=job_id) as storage:
+            for sub, part in rows.groupby(SUBTASK_COL, sort=True):
+                kgr = compute_key_group_range_for_operator_index(maxp, parallelism, int(sub))
+                backend = KeyedStateBackend(storage, operator_id, kgr, maxp)
+                try:
+                    keys = part[key].tolist()
+                    vals = part[columns[0]].tolist() if single else [list(t) for t in
+                                                                     zip(*(part[c].tolist() for c in columns))]
+                    state = backend.value_state(state_name)
+                    for k, v in zip(keys, vals):
+                        state.update(k, v)
+                    backend.materialize(force=True)
+                    snap = backend.snapshot(1).result()
+                    backend.confirm(1)  # the checkpoint will own these files
+                finally:
+                    backend.close()
+                yield pd.DataFrame({"subtask": [int(sub)], "snapshot": [snap.to_bytes()]})
+
+    reports = routed.mapInPandas(task, "subtask int, snapshot binary").collect()
+    from dstl.keygroups import compute_key_group_range_for_operator_index
+    from dstl.state import KeyedStateSnapshot
+
+    snaps = {r["subtask"]: KeyedStateSnapshot.from_bytes(bytes(r["snapshot"])) for r in reports}
+    subtasks = [SubtaskState.from_keyed_snapshot(i, snaps[i]) if i in snaps else
+                SubtaskState(i, compute_key_group_range_for_operator_index(maxp, parallelism, i))
+                for i in range(parallelism)]
+    spec = JobSpec(job_id, operator_id, maxp, output, dict(params or {}))
+    CheckpointCoordinator.open(base_path, spec, opts, resume=False)  # writes the job file
+    props = {"batch": -1, "job_id": job_id, "operator_id": operator_id, "bootstrap": True,
+             "tokens": [uuid.uuid4().hex for _ in range(parallelism)], "output": {"batch": -1, "files": []}}
+    meta = CheckpointMetadata(1, maxp, parallelism, subtasks, props, job_id=job_id)
+    write_checkpoint(base_path, meta)
+    return meta
