@@ -152,6 +152,10 @@ def _path(value: Any, key: str) -> str:
     return value
 
 
+# upper bound of upload.num-threads: in process mode each is an uploader process (~30 MB)
+MAX_UPLOAD_THREADS = 64
+
+
 @dataclass(frozen=True)
 class _Option:
     suffix: str
@@ -236,7 +240,8 @@ class StorageConfig:
                                  f"{canonical_key(field)!r}: {why}")
 
         need(1 <= self.upload_buffer_size <= INT32_MAX, "upload_buffer_size", "must be 1 .. 2^31-1 bytes")
-        need(self.upload_num_threads >= 1, "upload_num_threads", "must be >= 1")
+        need(1 <= self.upload_num_threads <= MAX_UPLOAD_THREADS, "upload_num_threads",
+             f"must be 1 .. {MAX_UPLOAD_THREADS} (each is an uploader process in process mode)")
         need(self.discard_num_threads >= 1, "discard_num_threads", "must be >= 1")
         need(self.max_in_flight >= 1, "max_in_flight", "must be >= 1 byte")
         need(self.max_attempts >= 1, "max_attempts", "must be >= 1")

@@ -61,6 +61,15 @@ class GateFileSystem(LocalFileSystem):
                         pass
         return super()._open(path, mode, **kw)
 
+    def rm_file(self, path):
+        """Fails with EIO while ``<root>/.nodelete`` exists (a store refusing deletes)."""
+        p = self._strip_protocol(path)
+        if "/dstl/" in p and os.path.exists(os.path.join(p.split("/dstl/")[0].rsplit("/", 1)[0], ".nodelete")):
+            import errno
+
+            raise OSError(errno.EIO, f"injected delete failure: {p}")
+        return super().rm_file(path)
+
 
 fsspec.register_implementation("gate", GateFileSystem, clobber=True)
 
@@ -287,3 +296,44 @@ def process_storage(base, **opts):
     opts.setdefault("upload_mode", "process")
     opts.setdefault("job_id", uuid.uuid4().hex)
     return open_storage(str(base), **opts)
+
+
+# ---- journal write faults ---------------------------------------------------------------------
+JOURNAL_FAULTS_ENV = "DSTL_TEST_JOURNAL_FAULTS"
+
+
+def _install_journal_faults(control: str) -> None:
+    """In a service process, shim os.write for the registry journal's log file only (found by the
+    descriptor's path): while `<control>/short` exists, each write(2) writes at most 7 bytes; while
+    `<control>/enospc` exists, a write of a record containing that file's text writes half of the
+    record and then fails with ENOSPC (a partial record, as on a full runtime file system)."""
+    import errno
+
+    real_write = os.write
+
+    def is_journal(fd) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").endswith("/journal.log")
+        except OSError:
+            return False
+
+    def faulty_write(fd, data):
+        if not is_journal(fd):
+            return real_write(fd, data)
+        raw = bytes(data)
+        enospc = os.path.join(control, "enospc")
+        if os.path.exists(enospc):
+            with open(enospc, "rb") as f:
+                needle = f.read()
+            if needle in raw:
+                real_write(fd, raw[: max(1, len(raw) // 2)])
+                raise OSError(errno.ENOSPC, "No space left on device")
+        if os.path.exists(os.path.join(control, "short")):
+            return real_write(fd, raw[:7])
+        return real_write(fd, data)
+
+    os.write = faulty_write
+
+
+if os.environ.get(JOURNAL_FAULTS_ENV):
+    _install_journal_faults(os.environ[JOURNAL_FAULTS_ENV])

@@ -49,11 +49,7 @@ def test_every_module_belongs_to_a_layer():
 
 # Upward imports that exist on main and are being removed by open work, as (importer, imported).
 # Only these exact pairs are tolerated; delete an entry once its import is gone (a warning says so).
-KNOWN_VIOLATIONS = {
-    # issue 9: the service's orphan sweep reads checkpoints through dstl.changelog, not state/ or tools/
-    ("dstl.changelog.upload.service.registry_proc", "dstl.state.metadata"),
-    ("dstl.changelog.upload.service.registry_proc", "dstl.tools.gc"),
-}
+KNOWN_VIOLATIONS: set = set()  # issue 9's two (registry_proc -> state.metadata, tools.gc) are gone
 
 
 def _known(imp) -> bool:

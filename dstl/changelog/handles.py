@@ -12,20 +12,20 @@ import msgpack
 from dstl.types import KeyGroupRange
 
 _FORMAT_VERSION = 1
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 def filesystem_of(path: str):
     """`(fsspec filesystem, path inside it)` for a URL or a plain path."""
-    from fsspec.core import url_to_fs
+    from dstl.changelog.fs import filesystem
 
-    return url_to_fs(path)
+    return filesystem(path)
 
 
 def is_local_filesystem(fs) -> bool:
     """True for the local disk (where a download cache would only copy files)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return any(p in _LOCAL_PROTOCOLS for p in protocols)
+    from dstl.changelog.fs import is_local
+
+    return is_local(fs)
 
 
 def _check_nonneg_int(name: str, value: Any) -> int:

@@ -38,6 +38,16 @@ class FsStateChangelogStorage:
         from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 
         self.config = StorageConfig.of(config)  # validates before any thread starts or file is written
+        from dstl.changelog.fs import validate_base_path
+
+        if self.config.upload_mode == "process":  # protocols the service's modules register count too
+            from dstl.changelog.upload.service.worker import _preload_user_modules
+
+            try:
+                _preload_user_modules()
+            except ImportError:  # the service reports it, with its log
+                pass
+        validate_base_path(self.config.base_path)  # unknown protocol, a file: rejected now, not at upload
         if job_id is None:
             job_id = uuid.uuid4().hex
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
@@ -84,6 +94,8 @@ class FsStateChangelogStorage:
         self.metric_group.register_gauge("inFlightBytes", lambda: int(sched.in_flight_bytes()))
         self.metric_group.register_gauge(
             "availability", lambda: 1 if sched.get_availability_provider().is_available() else 0)
+        registry = self.registry
+        self.metric_group.register_gauge("numberOfDeleteFailures", lambda: int(registry.delete_failures))
 
     # -- writers and readers -------------------------------------------------------------------
     def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> FsStateChangelogWriter:

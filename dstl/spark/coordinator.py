@@ -341,11 +341,9 @@ class CheckpointCoordinator:
 
     def referenced_files(self) -> Set[str]:
         """Names of the files the retained checkpoints reference."""
-        from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
+        from dstl.changelog.checkpoints import files_referenced
 
-        ids = list_checkpoints(self.base_path)[-self.retain:]
-        metas = [read_checkpoint(self.base_path, c) for c in ids]
-        return {posixpath.basename(str(p).rstrip("/")) for p in retained_files(metas)}
+        return {posixpath.basename(k.rstrip("/")) for k in files_referenced(self.base_path, latest=self.retain)}
 
     def collect_garbage(self, final: bool = False) -> Tuple[int, int, int]:
         """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted)."""

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Set
 
+from dstl.changelog import fs as dfs
+
 _JOB = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
@@ -54,54 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delete", action="store_true", help="really delete (default: dry run)")
 
 
-def _fs(url: str):
-    from fsspec.core import url_to_fs
-
-    return url_to_fs(url)
-
-
-def _key(fs, path: str) -> str:
-    """A comparable spelling of a file: the path inside its filesystem, with the protocol's name."""
-    import os
-
-    from fsspec.implementations.local import LocalFileSystem
-
-    if isinstance(fs, LocalFileSystem):
-        return "file://" + os.path.realpath(fs._strip_protocol(path))
-    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    return f"{proto}://{fs._strip_protocol(path)}"
-
-
-def _key_of_url(url: str) -> str:
-    fs, path = _fs(url)
-    return _key(fs, path)
-
-
 def load_retained(manifests: Iterable[str], keep_latest: Optional[int], checkpoints_base: str) -> Set[str]:
     """Keys of every file the retained checkpoints reference."""
-    from dstl.state.metadata import (CheckpointMetadata, base_of_metadata_file, list_checkpoints,
-                                     read_checkpoint, retained_files)
+    from dstl.changelog.checkpoints import files_in_metadata, files_referenced, list_complete
 
-    metas = []
+    keys: Set[str] = set()
     for m in manifests:
-        fs, path = _fs(m)
-        try:
-            data = fs.cat_file(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"checkpoint manifest {m} does not exist") from None
-        try:  # relative file paths are relative to the manifest's base path
-            base = base_of_metadata_file(m)
-        except ValueError:
-            base = None
-        metas.append(CheckpointMetadata.from_bytes(data, source=m, base=base))
+        keys |= files_in_metadata(m)
     if keep_latest is not None:
         if keep_latest < 1:
             raise ValueError(f"--keep-latest must be >= 1, got {keep_latest}")
-        ids = list_checkpoints(checkpoints_base)[-keep_latest:]
-        if not ids:
+        fs, root = dfs.root_of(checkpoints_base)
+        if not list_complete(fs, root):
             raise FileNotFoundError(f"--keep-latest {keep_latest}: no checkpoint under {checkpoints_base}/checkpoints")
-        metas += [read_checkpoint(checkpoints_base, cp) for cp in ids]
-    return {_key_of_url(f) for f in retained_files(metas)}
+        keys |= files_referenced(checkpoints_base, latest=keep_latest)
+    return keys
 
 
 def _mtime(info: dict) -> Optional[float]:
@@ -125,8 +94,7 @@ def _mtime(info: dict) -> Optional[float]:
 
 def changelog_files(base_url: str, job: Optional[str] = None):
     """Yield (fs, path, info) for every changelog file under `<base>/<job>/dstl/` (uuid-named only)."""
-    fs, root = _fs(base_url)
-    root = root.rstrip("/") or "/"
+    fs, root = dfs.root_of(base_url)
     fs.invalidate_cache()
     try:
         jobs = [e for e in fs.ls(root, detail=True) if e["type"] == "directory"]
@@ -152,7 +120,7 @@ def collect(base_url: str, retained: Set[str], grace_ms: int, *, job: Optional[s
     now = time.time() if now is None else now
     report = GcReport()
     for fs, path, info in changelog_files(base_url, job):
-        key = _key(fs, path)
+        key = dfs.key(fs, path)
         url = path if key.startswith("file://") else key
         if key in retained:
             report.referenced.append(url)

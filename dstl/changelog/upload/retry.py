@@ -94,7 +94,11 @@ class FixedRetryPolicy(RetryPolicy):
 
 
 class RetriableAction(Protocol[T]):
-    """What the executor runs: `try_execute` may run several times, even concurrently."""
+    """What the executor runs: `try_execute` may run several times, even concurrently.
+
+    An action may also define `prepare_attempt()`: called on the attempt's thread right before the
+    attempt's timeout starts (acquiring what the attempt runs on); raising fails that attempt.
+    """
 
     def try_execute(self) -> T: ...
 
@@ -181,6 +185,14 @@ class RetryingExecutor:
         if self._closed:  # queued behind busy workers when close() came: never started
             self._handle_error(state, n, CancelledError(f"RetryingExecutor closed before attempt {n} started"))
             return
+        prepare = getattr(state.action, "prepare_attempt", None)
+        if prepare is not None:
+            # e.g. the upload service taking a healthy uploader process: not part of the attempt's time
+            try:
+                prepare()
+            except BaseException as exc:  # noqa: B902 - every outcome must settle the action
+                self._handle_error(state, n, exc)
+                return
         timer: Optional[TimerHandle] = None
         timeout_ms = state.policy.timeout_ms
         if timeout_ms > 0:

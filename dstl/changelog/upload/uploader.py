@@ -9,10 +9,9 @@ import time
 import uuid
 from typing import Optional, Sequence
 
-import fsspec
-
+from dstl.changelog import fs as dfs
 from dstl.format import write_file
-from dstl.changelog.handles import StreamStateHandle, is_local_filesystem
+from dstl.changelog.handles import StreamStateHandle
 
 from dstl.changelog.upload.task import UploadTask, UploadTasksResult
 
@@ -117,11 +116,9 @@ class StateChangeFsUploader(StateChangeUploader):
         self.buffer_size = int(buffer_size)
         self.registry = registry
         self.metrics = metrics
-        self._fs, root = fsspec.core.url_to_fs(base_path)
         # plain paths only for the real local disk; wrappers (e.g. a test filesystem) keep their URL
-        self._local_fs = is_local_filesystem(self._fs)
-        root = root.rstrip("/") if root not in ("/", "") else root
-        self._dir = f"{root.rstrip('/')}/{job_id}/dstl"
+        self._fs, self._dir = dfs.changelog_dir(base_path, job_id)
+        self._local_fs = dfs.is_local(self._fs)
         self._local_dir = (os.path.join(local_recovery_dir, f"jid_{job_id}", "taskowned")
                            if local_recovery_dir else None)
         self._dirs_ready = False
@@ -133,7 +130,7 @@ class StateChangeFsUploader(StateChangeUploader):
         return self._dir
 
     def _url(self, path: str) -> str:
-        return path if self._local_fs else self._fs.unstrip_protocol(path)
+        return dfs.url_of(self._fs, path)
 
     def _ensure_dirs(self) -> None:
         if self._dirs_ready:
@@ -144,6 +141,24 @@ class StateChangeFsUploader(StateChangeUploader):
                 if self._local_dir:
                     os.makedirs(self._local_dir, exist_ok=True)
                 self._dirs_ready = True
+
+    def _create(self, path: str, size: Optional[int]):
+        """Open the new file exclusively; a job directory deleted meanwhile is made again."""
+        self._ensure_dirs()
+        try:
+            return _open_local_exclusive(path, size) if self._local_fs else _open_exclusive(self._fs, path)
+        except FileNotFoundError:
+            with self._dirs_lock:
+                self._dirs_ready = False
+            self._ensure_dirs()
+            return _open_local_exclusive(path, size) if self._local_fs else _open_exclusive(self._fs, path)
+
+    def _create_local(self, local_path: str, size: Optional[int]):
+        try:
+            return _open_local_exclusive(local_path, size)
+        except FileNotFoundError:  # the local-recovery directory went away
+            os.makedirs(self._local_dir, exist_ok=True)
+            return _open_local_exclusive(local_path, size)
 
     def upload(self, tasks: Sequence[UploadTask], *, file_name: Optional[str] = None) -> UploadTasksResult:
         """One attempt. `file_name` (default: a fresh uuid4) is the name of the file in the job's
@@ -161,16 +176,14 @@ class StateChangeFsUploader(StateChangeUploader):
         created = []
         size = _file_size(bodies, self.compression)
         try:
-            self._ensure_dirs()
-            opened = (_open_local_exclusive(path, size) if self._local_fs
-                      else _open_exclusive(self._fs, path))
+            opened = self._create(path, size)
             with opened as out:
                 created.append("remote")
                 if local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)
                 else:
-                    with _open_local_exclusive(local_path, size) as local_out:
+                    with self._create_local(local_path, size) as local_out:
                         created.append("local")
                         offsets, logical_size = write_file(
                             _Tee(out, local_out), bodies, compression=self.compression,

@@ -34,6 +34,9 @@ from typing import Dict, Optional, Tuple
 from dstl.errors import UploadServiceError
 from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
+                                                     Notice, ProtocolError, Release, Reply, Upload, Welcome,
+                                                     dispatch)
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 from dstl.changelog.upload.throttle import AvailabilityProvider
 
@@ -41,6 +44,8 @@ log = logging.getLogger("dstl.changelog.upload.service.client")
 
 START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
+OUTBOX = 2  # tasks waiting for a sender thread (encode + copy into shared memory, descriptor)
+SENDERS = 2  # sender threads: two sealed bodies are encoded and copied at once (both cores)
 FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
 _LAUNCHER = (
     "import subprocess, sys\n"
@@ -97,7 +102,24 @@ def _try_connect(paths: ServicePaths):
         return None
 
 
-def _connect(paths: ServicePaths, config):
+def _connect(paths: ServicePaths, config, tries: int = 3):
+    """Connect to the running service or start one; a service that dies (or stops) during the
+    hand-shake is tried again, up to `tries` times: the next try starts a fresh one."""
+    for n in range(tries):
+        try:
+            return _connect_once(paths, config)
+        except (EOFError, ConnectionError, _Refused) as exc:
+            if n == tries - 1:
+                raise UploadServiceError(f"the upload service went away while connecting: {exc!r}") from exc
+            time.sleep(0.05 * (n + 1))
+    raise AssertionError("unreachable")
+
+
+class _Refused(Exception):
+    """The service is stopping (its linger ended): connect to (or start) the next one."""
+
+
+def _connect_once(paths: ServicePaths, config):
     """Connect to the running service or start one; the flock makes racing writers start only one."""
     with file_lock(paths.lock, timeout_s=START_TIMEOUT_S):
         conn = _try_connect(paths)
@@ -118,14 +140,22 @@ def _connect(paths: ServicePaths, config):
                 time.sleep(0.005)
                 conn = _try_connect(paths)
         cid = secrets.token_hex(4)
-        conn.send(("hello", cid, os.getpid()))
+        try:
+            conn.send(Hello(cid, os.getpid()))
+        except OSError as exc:
+            conn.close()
+            raise ConnectionError(str(exc)) from exc
         if not conn.poll(START_TIMEOUT_S):
             conn.close()
             raise UploadServiceError("the upload service did not answer")
-        welcome = conn.recv()
-        if welcome[0] != "welcome":
+        try:
+            welcome = conn.recv()
+        except BaseException:
             conn.close()
-            raise UploadServiceError(f"the upload service refused the connection: {welcome[1:]}")
+            raise
+        if type(welcome) is not Welcome:
+            conn.close()
+            raise _Refused(f"the upload service refused the connection: {welcome!r:.200}")
     return conn, cid, welcome
 
 
@@ -137,7 +167,8 @@ class ServiceConnection:
         self.config = config
         self.metrics = metrics
         self.conn, self.cid, welcome = _connect(paths, config)
-        _, self.instance, self.service_pid, self.max_in_flight, available, in_flight = welcome
+        self.instance, self.service_pid = welcome.instance, welcome.pid
+        self.max_in_flight, available, in_flight = welcome.max_in_flight, welcome.available, welcome.in_flight
         self.prefix = shm.segment_prefix(self.instance, os.getpid(), self.cid)
         self._send_lock = threading.Lock()
         self._lock = threading.Condition()
@@ -157,7 +188,13 @@ class ServiceConnection:
         self._free: list = []  # (name, size) of segments of finished tasks, reused LIFO
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
+        self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
+        for i in range(SENDERS):
+            threading.Thread(target=self._send_loop, name=f"dstl-service-sender-{i}", daemon=True).start()
         self._callbacks: "queue.Queue" = queue.Queue()
+        self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
+                       Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set(),
+                       Notice: lambda msg: log.error("upload service (pid %s): %s", self.service_pid, msg.text)}
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
         self._reader.start()
@@ -191,7 +228,7 @@ class ServiceConnection:
         with self._lock:
             self._calls[call_id] = fut
         try:
-            self.send(("call", call_id, name, args))
+            self.send(Call(call_id, name, args))
             return fut.result(timeout)
         finally:
             with self._lock:
@@ -204,7 +241,35 @@ class ServiceConnection:
                 self._lock.wait()
 
     def submit(self, task, job_id: str, local_dir: Optional[str]) -> None:
-        """Copy the bodies into a new segment and send the descriptor (caller checked state)."""
+        """Hand `task` to the sender thread (caller checked state): the copy into shared memory then
+        overlaps the writer's next appends, as the upload itself does in thread mode. At most
+        OUTBOX tasks wait for it (their bodies are held until copied)."""
+        self._outbox.put((task, job_id, local_dir))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            try:
+                if item is None:
+                    return
+                task = item[0]
+                try:
+                    if self.broken is not None:
+                        raise self._error()
+                    self._submit_now(*item)
+                except Exception as exc:  # e.g. /dev/shm full: the task fails, nothing is lost silently
+                    self._callbacks.put((task.fail, (exc,)))
+            finally:
+                self._outbox.task_done()
+
+    def _drain_outbox(self, timeout_s: float) -> None:
+        """Wait until the sender thread handed over every task given to `submit`."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _submit_now(self, task, job_id: str, local_dir: Optional[str]) -> None:
+        """Copy the bodies into a new segment and send the descriptor."""
         task_id = next(self._ids)
         sets = task.change_sets
         with self._lock:
@@ -224,7 +289,7 @@ class ServiceConnection:
         with self._lock:
             self._pending[task_id] = (task, name)
         try:
-            self.send(("upload", task_id, job_id, local_dir, name, items, task.size))
+            self.send(Upload(task_id, job_id, local_dir, name, items, task.size))
         except UploadServiceError as exc:
             with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
                 entry = self._pending.pop(task_id, None)
@@ -245,23 +310,20 @@ class ServiceConnection:
             except Exception as exc:  # an unpicklable message: the protocol is broken
                 self._break(exc)
                 return
-            kind = msg[0]
-            if kind == "done":
-                self._on_done(msg)
-            elif kind == "failed":
-                self._on_failed(msg)
-            elif kind == "avail":
-                self._on_avail(msg[1], msg[2])
-            elif kind == "reply":
-                with self._lock:
-                    fut = self._calls.get(msg[1])
-                if fut is not None and not fut.done():
-                    if msg[2]:
-                        fut.set_result(msg[3])
-                    else:
-                        fut.set_exception(msg[3])
-            elif kind == "closed":
-                self._closed_event.set()
+            try:
+                dispatch(self._table, msg)
+            except ProtocolError as exc:
+                self._break(exc)
+                return
+
+    def _on_reply(self, msg: Reply) -> None:
+        with self._lock:
+            fut = self._calls.get(msg.call_id)
+        if fut is not None and not fut.done():
+            if msg.ok:
+                fut.set_result(msg.value)
+            else:
+                fut.set_exception(msg.value)
 
     def _watchdog(self) -> None:
         """A service that stops answering (stopped, hung) must not hang the writers: while uploads are
@@ -280,7 +342,8 @@ class ServiceConnection:
                     self._break(TimeoutError(f"no answer for {2 * self.liveness_s:.0f} s ({exc!r})"))
                 return
 
-    def _on_avail(self, available: bool, gauges) -> None:
+    def _on_avail(self, msg: Availability) -> None:
+        available, gauges = msg.available, msg.gauges
         pending = None
         with self._lock:
             self.gauges = gauges
@@ -304,21 +367,19 @@ class ServiceConnection:
             shm.unlink(entry[1])  # this client owns its segments (see shm.py)
         return entry
 
-    def _on_done(self, msg) -> None:
-        _, task_id, path, local_path, logical_size, results, metrics, gauges = msg
-        self.gauges = gauges
-        entry = self._take(task_id)
-        self._record(metrics)
+    def _on_done(self, msg: Done) -> None:
+        self.gauges = msg.gauges
+        entry = self._take(msg.task_id)
+        self._record(msg.metrics)
         if entry is not None:
-            self._callbacks.put((_complete, (entry[0], path, local_path, logical_size, results)))
+            self._callbacks.put((_complete, (entry[0], msg.path, msg.local_path, msg.logical_size, msg.results)))
 
-    def _on_failed(self, msg) -> None:
-        _, task_id, exc, metrics, gauges = msg
-        self.gauges = gauges
-        entry = self._take(task_id)
-        self._record(metrics)
+    def _on_failed(self, msg: Failed) -> None:
+        self.gauges = msg.gauges
+        entry = self._take(msg.task_id)
+        self._record(msg.metrics)
         if entry is not None:
-            self._callbacks.put((entry[0].fail, (exc,)))
+            self._callbacks.put((entry[0].fail, (msg.error,)))
 
     def _record(self, m: Optional[dict]) -> None:
         """Apply a batch's metrics once, however many of this client's tasks were in it."""
@@ -386,9 +447,10 @@ class ServiceConnection:
                 return
             self.closing = True
             self._lock.notify_all()
+        self._drain_outbox(timeout_s)
         if self.broken is None:
             try:
-                self.send(("close",))
+                self.send(Close())
                 self._closed_event.wait(timeout_s)
             except UploadServiceError:
                 pass
@@ -409,9 +471,26 @@ class ServiceConnection:
         if last:
             self.shutdown()
 
+    def abandon(self) -> None:
+        """Drop the connection without saying close (see `_abandon_all_at_exit`)."""
+        with self._lock:
+            free, self._free = self._free, []
+            self.closing = True
+        self._closed_event.set()
+        hard_close(self.conn)
+        self._callbacks.put((None, None))
+        for name, _ in free:  # segments of tasks in flight are the service's to unlink now
+            shm.unlink(name)
+        _open_connections.discard(self)
+
     def shutdown(self) -> None:
         if not self.closing:
             self.close_uploads(30.0)
+        for _ in range(SENDERS):
+            try:
+                self._outbox.put(None, timeout=5)
+            except queue.Full:
+                break
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))
@@ -424,10 +503,13 @@ _open_connections: "weakref.WeakSet[ServiceConnection]" = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all_at_exit() -> None:
+def _abandon_all_at_exit() -> None:
+    """The interpreter exits (sys.exit, an uncaught exception, the end of the script) with storages
+    still open: like a killed client, this one becomes an orphan owner in the service (its unconfirmed
+    files are settled after the grace period), rather than a closed one whose files stay tracked."""
     for c in list(_open_connections):
         try:
-            c.shutdown()
+            c.abandon()
         except Exception:
             pass
 
@@ -549,26 +631,34 @@ class ServiceRegistryProxy:
         self.connection = connection
         self._closed = False
 
-    def _op(self, kind: str, handle, *args) -> None:
+    def _release(self, handle) -> None:
         try:
-            self.connection.send(("reg", kind, handle.handle_id, *args))
+            self.connection.send(Release(handle.handle_id))
         except UploadServiceError as exc:
             # nothing to release any more: the service that tracked the file is gone (gc is the net)
-            log.warning("registry %s of %s not delivered: %s", kind, handle.handle_id, exc)
+            log.warning("release of %s not delivered: %s", handle.handle_id, exc)
 
     def start_tracking(self, handle, ref_count: int) -> None:
+        """Track `handle`; returns once the service's journal holds it durably (else raises)."""
         if isinstance(ref_count, bool) or not isinstance(ref_count, int) or ref_count <= 0:
             raise ValueError(f"ref_count must be a positive int, got {ref_count!r}")
-        self._op("start", handle, ref_count)
+        self.connection.call("reg", ("start", handle.handle_id, ref_count))
 
     def stop_tracking(self, handle) -> None:
-        self._op("stop", handle)
+        """Untrack `handle` (a checkpoint owns it): returns once that is durable in the service's
+        journal, raises (OSError) if the journal cannot record it."""
+        self.connection.call("reg", ("stop", handle.handle_id, 0))
 
     def release(self, handle) -> None:
-        self._op("release", handle)
+        self._release(handle)
 
     def ref_count(self, handle) -> Optional[int]:
         return self.connection.call("count", handle.handle_id)
+
+    @property
+    def delete_failures(self) -> int:
+        """Failed deletion attempts in the service's registry (each retried with backoff)."""
+        return int(self.connection.call("delete_failures", timeout=10.0))
 
     def wait_for_deletions(self, timeout: Optional[float] = None) -> bool:
         """Block until the deletions requested so far ran (the registry applies operations in order)."""

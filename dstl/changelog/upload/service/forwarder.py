@@ -7,15 +7,19 @@ again. A release is therefore applied exactly once even if the registry died rig
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Dict, Optional
 
 from dstl.errors import UploadServiceError
+from dstl.changelog.upload.service.journal import JournalError
+from dstl.changelog.upload.service.protocol import (Ack, Operation, ProtocolError, Query, QueryReply,
+                                                     RegistryHello, Shutdown, dispatch)
 
 log = logging.getLogger("dstl.changelog.upload.service.forwarder")
 
@@ -33,6 +37,8 @@ class RegistryForwarder:
         self._unacked: "OrderedDict[int, list]" = OrderedDict()
         self._queries: Dict[int, tuple] = {}
         self._replies: Dict[int, Future] = {}
+        self._acks: Dict[int, Future] = {}
+        self._table = {Ack: self._on_ack, QueryReply: self._on_reply}
         self._conn = None
         self._proc = None
         self._stopping = False
@@ -63,39 +69,53 @@ class RegistryForwarder:
         if not parent.poll(90):
             proc.kill()
             raise UploadServiceError("the registry process did not start in time")
-        kind, last_id, _pid = parent.recv()
-        assert kind == "hello", kind
+        hello = parent.recv()
+        if type(hello) is not RegistryHello:
+            raise ProtocolError(f"the registry process said {hello!r:.200} first")
+        last_id = hello.last_id
         with self._lock:
             self._conn, self._proc = parent, proc
             for op_id in [i for i in self._unacked if i <= last_id]:
                 del self._unacked[op_id]
             try:
                 for op in self._unacked.values():
-                    parent.send(op)
+                    parent.send(Operation(op))
                 for q in self._queries.values():
                     parent.send(q)
             except OSError:
                 pass  # died again: the read loop notices
 
-    def submit(self, kind: str, *args) -> int:
-        """Queue an operation (journaled by the registry); returns its id."""
+    def submit(self, kind: str, *args) -> Future:
+        """Queue an operation; the future completes once the registry journaled and applied it, or
+        fails with JournalError when the journal could not record it (then it was not applied)."""
+        fut: Future = Future()
         with self._lock:
             op_id = next(self._ids)
             op = [kind, op_id, *args]
             self._unacked[op_id] = op
+            self._acks[op_id] = fut
             if self._conn is not None:
                 try:
-                    self._conn.send(op)
+                    self._conn.send(Operation(op))
                 except OSError:
                     pass  # re-sent after the restart
-        return op_id
+        return fut
+
+    def apply(self, kind: str, *args, timeout: float = 60.0) -> None:
+        """`submit` and wait: raises JournalError (not recorded) or TimeoutError (no answer)."""
+        fut = self.submit(kind, *args)
+        try:
+            fut.result(timeout)
+        except FutureTimeout:
+            raise UploadServiceError(f"the registry did not record a {kind!r} operation within "
+                                     f"{timeout:.0f} s") from None
 
     def query(self, kind: str, *args, timeout: float = 30.0):
         """`count` or `sync`: wait for the registry's reply."""
         fut: Future = Future()
         with self._lock:
             qid = next(self._ids)
-            msg = (kind, qid, *args)
+            msg = Query(qid, kind, args)
             self._queries[qid] = msg
             self._replies[qid] = fut
             if self._conn is not None:
@@ -124,15 +144,26 @@ class RegistryForwarder:
                     return
                 self._restart()
                 continue
-            if msg[0] == "ack":
-                with self._lock:
-                    self._unacked.pop(msg[1], None)
-            elif msg[0] == "reply":
-                with self._lock:
-                    fut = self._replies.get(msg[1])
-                    self._queries.pop(msg[1], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg[2])
+            dispatch(self._table, msg)
+
+    def _on_ack(self, msg: Ack) -> None:
+        with self._lock:
+            op = self._unacked.pop(msg.op_id, None)
+            fut = self._acks.pop(msg.op_id, None)
+        if fut is not None and not fut.done():
+            if msg.error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(JournalError(errno.EIO, msg.error))
+        elif msg.error is not None and op is not None:
+            log.error("registry operation %s failed: %s", op[0], msg.error)
+
+    def _on_reply(self, msg: QueryReply) -> None:
+        with self._lock:
+            fut = self._replies.get(msg.query_id)
+            self._queries.pop(msg.query_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.value)
 
     def _restart(self) -> None:
         proc = self._proc
@@ -165,7 +196,7 @@ class RegistryForwarder:
             conn, proc = self._conn, self._proc
         if conn is not None:
             try:
-                conn.send(("shutdown",))
+                conn.send(Shutdown())
             except OSError:
                 pass
         if proc is not None:

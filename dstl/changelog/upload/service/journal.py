@@ -5,31 +5,55 @@ a share of: path -> [since wall-clock ms, outstanding]) and files waiting for de
 Every operation carries an id given by the service; the journal records it, so after a restart the
 service re-sends only what the registry had not applied (exactly-once, no double release).
 
-Records are JSON lines written with one `write()` each and flushed: a killed process loses nothing the
-kernel has (fsync happens at compaction; a power loss may drop the last records, which only leaves
-files for `dstl gc`). A torn last line is ignored.
+Durability rule: an operation is applied and acknowledged only after its record is wholly in the
+journal (short writes are continued), and fsynced for the records that protect a file from deletion
+(start of tracking, confirm). A write that fails (ENOSPC, EIO, a read-only file system) is cut off
+again (the file is truncated back to its last whole record) and the operation fails to its client
+unapplied; while that cut cannot be made, every later operation fails too, so a torn record is only
+ever the journal's last one and only ever an operation that was never acknowledged.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import time
 from typing import Dict, List, Optional, Set
 
+from dstl.changelog.registry import RefCounts
+
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot.json"
 LOG = "journal.log"
+SYNCED = frozenset({"start", "stop"})  # records that keep a file from being deleted: fsynced
 
 
-class RegistryState:
-    """Reference counts with per-client shares; `apply` returns the paths that became deletable."""
+class JournalError(OSError):
+    """The registry journal could not record an operation; the operation was not applied."""
+
+
+def write(fd: int, data) -> int:
+    """One write(2) of `data` to `fd` (the seam the fault tests replace: short writes, ENOSPC)."""
+    return os.write(fd, data)
+
+
+def fsync(fd: int) -> None:
+    """fsync(2) of `fd` (a seam like `write`)."""
+    os.fsync(fd)
+
+
+class RegistryState(RefCounts):
+    """The service's registry: the one reference-counting core (`RefCounts`, shares per client) driven
+    by journaled operations, plus what the journal must remember besides the counts: the last
+    applied operation id, deletions not yet done, and files attempts are writing (intents).
+    `apply` returns the paths that became deletable."""
 
     def __init__(self) -> None:
-        self.entries: Dict[str, List] = {}  # path -> [count, {client: outstanding}]
+        super().__init__()
         self.pending_delete: Set[str] = set()
-        self.orphans: Dict[str, List[int]] = {}  # path -> [since_ms, outstanding change sets]
+        self.intents: Dict[str, int] = {}  # files an attempt of the running service may be writing
         self.last_id = 0
 
     def apply(self, op: list) -> List[str]:
@@ -38,26 +62,29 @@ class RegistryState:
             return []  # already applied (re-sent after a restart)
         self.last_id = op_id
         doomed: List[str] = []
-        if kind == "start":
+        if kind == "intent":  # an attempt is about to create `path`
+            self.intents[op[2]] = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
+        elif kind == "start":
             _, _, path, n, owners = op
-            self.entries[path] = [int(n), {str(c): int(k) for c, k in (owners or {}).items()}]
-            self.orphans.pop(path, None)
+            self.start(path, n, owners)
+            self.intents.pop(path, None)
         elif kind == "stop":
-            self.entries.pop(op[2], None)
-            self.orphans.pop(op[2], None)
+            self.stop(op[2])
         elif kind == "release":
-            self._release(op[2], op[3], 1, doomed)
+            if self.release(op[2], op[3], 1):
+                doomed.append(op[2])
         elif kind == "drop_client":
-            # A dead client's shares are not released: a checkpoint written by someone else (a Spark
-            # driver) may already reference the file. They become orphans, resolved after a grace
-            # period by `resolve_orphan` (kept if a checkpoint references the file, else released).
+            # A dead client's shares become orphans, settled after a grace period (`resolve_orphan`).
+            # "*": a new service; every client and attempt of the previous one is gone.
             client = str(op[2])
             since = int(op[3]) if len(op) > 3 else int(time.time() * 1000)
-            for path in [p for p, (_, shares) in self.entries.items() if shares.get(client)]:
-                outstanding = self.entries[path][1].pop(client)
-                orphan = self.orphans.setdefault(path, [since, 0])
-                orphan[1] += outstanding
+            if client == "*":
+                for path in list(self.intents):  # files its attempts may have left: orphans too
+                    self.adopt_orphan(path, since)
+                self.intents.clear()
+            self.drop_owner(None if client == "*" else client, since)
         elif kind == "discard":
+            self.intents.pop(op[2], None)
             self.entries.pop(op[2], None)
             self.orphans.pop(op[2], None)
             doomed.append(op[2])
@@ -68,48 +95,15 @@ class RegistryState:
         self.pending_delete.update(doomed)
         return doomed
 
-    def resolve_orphan(self, path: str, keep: bool) -> List[str]:
-        """Settle an orphan: `keep` (a checkpoint references it) untracks the file like `stop`;
-        otherwise its outstanding change sets are released (deleted at 0). Returns deletable paths."""
-        orphan = self.orphans.pop(path, None)
-        doomed: List[str] = []
-        if orphan is None or path not in self.entries:
-            return doomed
-        if keep:
-            del self.entries[path]
-        else:
-            self._release(path, None, orphan[1], doomed)
+    def resolve_orphan(self, path: str, keep: bool) -> List[str]:  # type: ignore[override]
+        """`RefCounts.resolve_orphan`, returning the deletable paths (and remembering them)."""
+        doomed = [path] if super().resolve_orphan(path, keep) else []
         self.pending_delete.update(doomed)
         return doomed
 
-    def expired_orphans(self, now_ms: int, grace_ms: int) -> List[str]:
-        return sorted(p for p, (since, _) in self.orphans.items() if since + grace_ms <= now_ms)
-
-    def _release(self, path: str, client: Optional[str], times: int, doomed: List[str]) -> None:
-        entry = self.entries.get(path)
-        if entry is None:
-            log.warning("release of untracked changelog file %s ignored", path)
-            return
-        shares = entry[1]
-        if client is not None and shares.get(client):
-            left = shares[client] - times
-            if left > 0:
-                shares[client] = left
-            else:
-                del shares[client]
-        entry[0] -= times
-        if entry[0] <= 0:
-            del self.entries[path]
-            self.orphans.pop(path, None)
-            doomed.append(path)
-
-    def ref_count(self, path: str) -> Optional[int]:
-        entry = self.entries.get(path)
-        return None if entry is None else entry[0]
-
     def to_json(self) -> dict:
         return {"last_id": self.last_id, "entries": self.entries, "pending_delete": sorted(self.pending_delete),
-                "orphans": self.orphans}
+                "orphans": self.orphans, "intents": self.intents}
 
     @classmethod
     def from_json(cls, d: dict) -> "RegistryState":
@@ -118,6 +112,7 @@ class RegistryState:
         s.entries = {p: [int(v[0]), {str(c): int(k) for c, k in v[1].items()}] for p, v in d["entries"].items()}
         s.pending_delete = set(d.get("pending_delete", ()))
         s.orphans = {p: [int(v[0]), int(v[1])] for p, v in d.get("orphans", {}).items()}
+        s.intents = {p: int(v) for p, v in d.get("intents", {}).items()}
         return s
 
 
@@ -136,6 +131,8 @@ class Journal:
         self._snap_path = os.path.join(directory, SNAPSHOT)
         self._fd: Optional[int] = None
         self._records = 0
+        self._size = 0  # bytes of whole records in the log
+        self._torn: Optional[int] = None  # set while a failed record could not be cut off
 
     def load(self) -> RegistryState:
         state = RegistryState()
@@ -165,6 +162,7 @@ class Journal:
             with open(self._log_path, "r+b") as f:
                 f.truncate(good_bytes)
         self._fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._size = good_bytes
         return state
 
     @staticmethod
@@ -176,26 +174,79 @@ class Journal:
         else:
             state.apply(op)
 
-    def append(self, op: list) -> None:
+    def append(self, op: list, sync: Optional[bool] = None) -> None:
+        """Record `op` wholly (and fsynced if `sync`, default: for SYNCED kinds) or raise JournalError
+        with the journal cut back to its last whole record."""
         assert self._fd is not None, "load() first"
-        os.write(self._fd, json.dumps(op, separators=(",", ":")).encode() + b"\n")
+        if sync is None:
+            sync = op[0] in SYNCED
+        data = memoryview(json.dumps(op, separators=(",", ":")).encode() + b"\n")
+        if self._torn is not None:
+            self._cut(self._torn)  # raises while the tail cannot be cut off
+        start = self._size
+        try:
+            done = 0
+            while done < len(data):  # a short write is not an error: write the rest
+                n = write(self._fd, data[done:])
+                if n <= 0:
+                    raise OSError(errno.EIO, "write(2) wrote nothing")
+                done += n
+            if sync:
+                fsync(self._fd)
+        except OSError as exc:
+            self._cut(start, exc)
+            raise JournalError(exc.errno or errno.EIO,
+                               f"the registry journal {self._log_path} could not record a {op[0]!r} "
+                               f"operation ({exc.strerror or exc}); it was not applied") from exc
+        self._size = start + len(data)
         self._records += 1
+
+    def _cut(self, size: int, cause: Optional[OSError] = None) -> None:
+        """Truncate the log back to `size` bytes (drop a partial record); remember if that fails."""
+        try:
+            os.ftruncate(self._fd, size)
+            self._torn = None
+        except OSError as exc:
+            self._torn = size
+            log.error("registry journal %s: cannot cut off a failed record (%s); every operation fails "
+                      "until it can", self._log_path, exc)
+            if cause is None:
+                raise JournalError(exc.errno or errno.EIO,
+                                   f"the registry journal {self._log_path} cannot be repaired ({exc}); "
+                                   "the operation was not applied") from exc
 
     def needs_compaction(self) -> bool:
         return self._records >= self.compact_every
 
     def compact(self, state: RegistryState) -> None:
-        """Write the snapshot atomically (fsync + rename), then start an empty log."""
+        """Write the snapshot atomically (whole, fsync, rename), then start an empty log. On failure
+        (e.g. ENOSPC) the old snapshot and log stay as they were: raises JournalError."""
         tmp = self._snap_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state.to_json(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._snap_path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                data = memoryview(json.dumps(state.to_json()).encode())
+                done = 0
+                while done < len(data):
+                    done += write(fd, data[done:])
+                fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._snap_path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._records = max(0, self._records - self.compact_every // 4)  # try again a little later
+            raise JournalError(exc.errno or errno.EIO, f"the registry snapshot could not be written ({exc})") \
+                from exc
         if self._fd is not None:
             os.close(self._fd)
         self._fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         self._records = 0
+        self._size = 0
+        self._torn = None
         dfd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -208,4 +259,4 @@ class Journal:
             self._fd = None
 
 
-__all__ = ["RegistryState", "Journal"]
+__all__ = ["RegistryState", "Journal", "JournalError", "SYNCED"]

@@ -7,16 +7,22 @@ one is cheap and never forks the multi-threaded service itself.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
+import time
 from concurrent.futures import CancelledError
-from multiprocessing.connection import wait
-from typing import List, Optional
+from typing import Callable, List, Optional
 
+from dstl.changelog.upload.service.protocol import AttemptDone, Intent, Job, Stop
 from dstl.errors import UploadServiceError
+from dstl.changelog.upload.retry import AttemptTimeoutError
 
 log = logging.getLogger("dstl.changelog.upload.service.pool")
 
+_SETTLED_POLL_S = 0.05  # how often a running attempt checks whether its action was decided
+WORKER_WAIT_S = 30.0  # longest wait for a healthy uploader before an attempt fails
 PRELOAD = ["dstl.changelog.upload.service.worker", "dstl.changelog.upload.uploader", "dstl.format", "dstl.changelog.handles", "fsspec"]
 
 
@@ -24,8 +30,11 @@ def service_context():
     """The multiprocessing context for the service's children (forkserver with upload modules preloaded)."""
     import multiprocessing
 
+    from dstl.changelog.upload.service.worker import user_modules
+
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    # user modules too (DSTL_SERVICE_IMPORTS): a replacement worker is then a bare fork
+    ctx.set_forkserver_preload(PRELOAD + user_modules())
     return ctx
 
 
@@ -36,8 +45,33 @@ class _Worker:
         self.proc, self.conn, self.pid = proc, conn, pid
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, X...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _usable(w: _Worker) -> bool:
+    """An idle worker that can take an attempt: alive, not stopped, its pipe quiet (an idle worker
+    that says anything has died: end of file)."""
+    state = process_state(w.pid)
+    if state is None or state in "ZXxTt":
+        return False
+    try:
+        return not w.conn.poll(0)
+    except (OSError, EOFError, ValueError):
+        return False
+
+
 class UploaderPool:
-    """`size` uploader processes; `run(job)` uses an idle one and returns its result dict."""
+    """`size` uploader processes; `run(job)` uses an idle one and returns its result dict.
+
+    Liveness is judged from the worker's own pipe and pid, never from the multiprocessing sentinel:
+    that one is served by the forkserver, and reports every worker dead once the forkserver dies.
+    """
 
     def __init__(self, ctx, size: int, start_timeout_s: float = 60.0):
         if size < 1:
@@ -49,6 +83,7 @@ class UploaderPool:
         self._lock = threading.Lock()
         self._workers: List[_Worker] = []
         self._closed = False
+        self.replaced = 0  # workers killed or found dead and replaced (status, tests)
 
     def start(self) -> None:
         """Start every worker (called on a background thread: the service accepts clients meanwhile)."""
@@ -62,17 +97,18 @@ class UploaderPool:
             if self._closed:
                 return
         parent, child = self._ctx.Pipe(duplex=True)
+        # Process.start() asks the forkserver for the fork; a dead forkserver is restarted by it
         proc = self._ctx.Process(target=worker_main, args=(child,), name="dstl-uploader", daemon=True)
         proc.start()
         child.close()
         if not parent.poll(self._start_timeout_s):
-            proc.kill()
+            _kill(proc.pid)
+            parent.close()
             raise UploadServiceError("an uploader process did not start in time")
         try:
-            _, pid = parent.recv()
+            pid = parent.recv().pid  # WorkerReady
         except (EOFError, OSError) as exc:
-            raise UploadServiceError(f"an uploader process died while starting (exit code {proc.exitcode})") \
-                from exc
+            raise UploadServiceError("an uploader process died while starting") from exc
         w = _Worker(proc, parent, pid)
         with self._lock:
             if self._closed:
@@ -85,52 +121,96 @@ class UploaderPool:
         with self._lock:
             return [w.pid for w in self._workers]
 
-    def run(self, job: dict) -> dict:
-        """One attempt on an idle worker. A worker that dies mid-attempt -> UploadServiceError (an OSError,
-        so the fixed policy retries it on another worker) and a replacement is started."""
-        w = self._idle.get()
-        if w is None or self._closed:
-            self._idle.put(None)  # wake the next waiter too
-            raise CancelledError("the upload service is shutting down")
-        intent = None
+    def _take(self, deadline: Optional[float]) -> _Worker:
+        """An idle, usable worker; dead or stopped ones met on the way are killed and replaced (so a
+        dead idle worker costs no attempt)."""
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                w = self._idle.get(timeout=timeout)
+            except queue.Empty:
+                raise AttemptTimeoutError("no uploader process became free before the attempt timed out") \
+                    from None
+            if w is None or self._closed:
+                self._idle.put(None)  # wake the next waiter too
+                raise CancelledError("the upload service is shutting down")
+            if _usable(w):
+                return w
+            log.warning("uploader process %s is %s; replacing it", w.pid,
+                        {None: "gone", "T": "stopped", "t": "stopped"}.get(process_state(w.pid), "dead"))
+            self._replace(w)
+
+    def acquire(self, wait_s: float = WORKER_WAIT_S) -> _Worker:
+        """A healthy idle worker for one attempt (dead or stopped ones are replaced on the way);
+        UploadServiceError if none is ready within `wait_s` (the pool cannot start processes)."""
         try:
-            w.conn.send(job)
+            return self._take(time.monotonic() + wait_s)
+        except AttemptTimeoutError:
+            raise UploadServiceError(f"no uploader process was ready within {wait_s:.0f} s") from None
+
+    def run(self, job: dict, timeout_s: Optional[float] = None, worker: Optional[_Worker] = None,
+            settled: Optional[Callable[[], bool]] = None) -> dict:
+        """One attempt on `worker` (from `acquire`) or an idle one. It may run past its timeout (a
+        speculative successor races it, as in thread mode) until `settled()` says its action is
+        decided (another attempt won, or every attempt failed), or at the latest `timeout_s` (None:
+        no limit): then its worker is killed and replaced -> AttemptTimeoutError. A worker that dies
+        mid-attempt -> UploadServiceError (both OSErrors: the policy retries them)."""
+        deadline = None if not timeout_s or timeout_s <= 0 else time.monotonic() + timeout_s
+        w = worker if worker is not None else self._take(deadline)
+        intent = None
+        msg = None
+        timed_out = False
+        try:
+            w.conn.send(Job(job))
             while True:
-                ready = wait([w.conn, w.proc.sentinel])
-                if w.conn in ready:
-                    try:
-                        msg = w.conn.recv()
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg is not None and msg[0] == "intent":
-                        intent = msg[1]
-                        continue
-                    break
-                if w.proc.sentinel in ready:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if settled is not None:
+                    remaining = _SETTLED_POLL_S if remaining is None else min(remaining, _SETTLED_POLL_S)
+                if not w.conn.poll(remaining):
+                    expired = deadline is not None and time.monotonic() >= deadline
+                    if expired or (settled is not None and settled()):
+                        timed_out = True
+                        break
+                    continue
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
                     msg = None
                     break
+                if type(msg) is Intent:
+                    intent = msg.url
+                    continue
+                break
         except (BrokenPipeError, OSError):
             msg = None
-        if msg is None:
+        if timed_out or msg is None:
+            state = process_state(w.pid)
             self._replace(w)
-            w.proc.join(5)
-            err = UploadServiceError(
-                f"uploader process {w.pid} died during the attempt (exit code {w.proc.exitcode})")
-            err.partial_file = intent  # type: ignore[attr-defined]  # may exist half-written
+            if timed_out:
+                err: OSError = AttemptTimeoutError(
+                    f"upload attempt outlived its action (limit {timeout_s * 1000 if timeout_s else 0:.0f} ms); "
+                    f"uploader process {w.pid} ({'stopped' if state in ('T', 't') else 'busy'}) was killed "
+                    "and is being replaced")
+            else:
+                err = UploadServiceError(f"uploader process {w.pid} died during the attempt")
+            err.partial_file = intent  # type: ignore[attr-defined]  # may exist, whole or in part
             raise err
         self._idle.put(w)
-        if msg[0] == "ok":
-            return msg[1]
-        exc = msg[1]
-        if msg[2] is not None:
-            exc.dstl_metrics = msg[2]
+        if type(msg) is AttemptDone:
+            return msg.result
+        exc = msg.error  # AttemptFailed
+        if msg.metrics is not None:
+            exc.dstl_metrics = msg.metrics
         raise exc
 
     def _replace(self, dead: _Worker) -> None:
+        """Kill `dead` (it may only be stopped or hung) and start a replacement in the background."""
         with self._lock:
             if dead in self._workers:
                 self._workers.remove(dead)
             closed = self._closed
+            self.replaced += 1
+        _kill(dead.pid)
         try:
             dead.conn.close()
         except OSError:
@@ -139,23 +219,28 @@ class UploaderPool:
             return
 
         def start_one():
-            try:
-                self._add_worker()
-            except Exception:
-                log.exception("could not replace a dead uploader process")
+            for delay in (0.0, 0.2, 0.5, 1.0, 2.0):
+                time.sleep(delay)
+                try:
+                    self._add_worker()
+                    return
+                except Exception:
+                    log.warning("could not start a replacement uploader process; retrying", exc_info=True)
+            log.error("gave up starting a replacement uploader process")
 
         threading.Thread(target=start_one, name="dstl-pool-replace", daemon=True).start()
 
     @staticmethod
     def _stop_worker(w: _Worker) -> None:
         try:
-            w.conn.send(None)
+            w.conn.send(Stop())
         except OSError:
             pass
-        w.proc.join(10)
-        if w.proc.is_alive():
-            w.proc.kill()
-            w.proc.join(5)
+        deadline = time.monotonic() + 10
+        while process_state(w.pid) not in (None, "Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if process_state(w.pid) not in (None, "Z", "X"):
+            _kill(w.pid)
         try:
             w.conn.close()
         except OSError:
@@ -172,4 +257,14 @@ class UploaderPool:
             self._stop_worker(w)
 
 
-__all__ = ["UploaderPool", "service_context"]
+def _kill(pid: Optional[int]) -> None:
+    """SIGKILL by pid (works on a stopped process too); a pid that is gone is fine."""
+    if not pid:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+__all__ = ["UploaderPool", "process_state", "service_context"]

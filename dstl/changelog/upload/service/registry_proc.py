@@ -28,7 +28,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Set
 
-from dstl.changelog.upload.service.journal import Journal
+from dstl.changelog.upload.service.journal import Journal, JournalError
+from dstl.changelog.upload.service.protocol import (Ack, Operation, ProtocolError, Query, QueryReply,
+                                                     RegistryHello, Shutdown, dispatch)
 from dstl.changelog.upload.service.runtime import file_lock
 
 log = logging.getLogger("dstl.changelog.upload.service.registry")
@@ -56,29 +58,17 @@ class _ListingError(Exception):
 
 
 def referenced_files(checkpoints_base: str) -> Optional[Set[str]]:
-    """Comparable keys of every file the complete checkpoints under `checkpoints_base` reference;
-    None if some checkpoint's metadata cannot be decoded (then nothing may be deleted)."""
-    from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
-    from dstl.tools.gc import _key_of_url
+    """Keys of every file the complete checkpoints under `checkpoints_base` reference; None if some
+    checkpoint's metadata cannot be decoded (then nothing may be deleted)."""
+    from dstl.changelog.checkpoints import UnreadableCheckpointError, files_referenced
 
     try:
-        ids = list_checkpoints(checkpoints_base)
-    except FileNotFoundError:
-        return set()
+        return files_referenced(checkpoints_base)
+    except UnreadableCheckpointError:
+        log.warning("a checkpoint under %s cannot be read", checkpoints_base, exc_info=True)
+        return None
     except OSError as exc:
         raise _ListingError(str(exc)) from exc
-    metas = []
-    for cp in ids:
-        try:
-            metas.append(read_checkpoint(checkpoints_base, cp))
-        except FileNotFoundError:
-            continue  # removed (retention) while we looked
-        except OSError as exc:
-            raise _ListingError(str(exc)) from exc
-        except Exception:
-            log.warning("checkpoint %d under %s cannot be read", cp, checkpoints_base, exc_info=True)
-            return None
-    return {_key_of_url(f) for f in retained_files(metas)}
 
 
 class _Registry:
@@ -92,7 +82,9 @@ class _Registry:
         self.futures = set()
         self.checkpoints_base = checkpoints_base
         self.grace_ms = grace_ms
+        self.delete_failures = 0  # failed deletion attempts (each retried with backoff)
         self._stop = threading.Event()
+        self._table = {Operation: self._operation, Query: self._query, Shutdown: lambda _msg: False}
         self._sweeper = threading.Thread(target=self._sweep_loop, name="dstl-orphan-sweeper", daemon=True)
 
     def start_sweeper(self) -> None:
@@ -108,7 +100,7 @@ class _Registry:
 
     def sweep(self) -> None:
         """Settle the orphans older than the grace period (see the module docstring)."""
-        from dstl.tools.gc import _key_of_url
+        from dstl.changelog.fs import key_of_url
 
         with self.lock:
             expired = self.state.expired_orphans(int(time.time() * 1000), self.grace_ms)
@@ -128,52 +120,92 @@ class _Registry:
                 log.warning("keeping orphaned changelog file %s: checkpoint metadata cannot be read "
                             "(`dstl gc` can delete it later)", path)
             else:
-                keep = _key_of_url(path) in referenced
+                keep = key_of_url(path) in referenced
             with self.lock:
+                try:
+                    self.journal.append(["orphan", 0, path, keep], sync=True)
+                except JournalError as exc:
+                    log.error("%s; orphan %s is decided at a later sweep", exc, path)
+                    continue
                 doomed = self.state.resolve_orphan(path, keep)
-                self.journal.append(["orphan", 0, path, keep])
             for d in doomed:
                 self.schedule_delete(d)
 
-    def schedule_delete(self, path: str) -> None:
-        fut = self.pool.submit(self._delete, path)
+    def schedule_delete(self, path: str, attempt: int = 0) -> None:
+        try:
+            fut = self.pool.submit(self._delete, path, attempt)
+        except RuntimeError:  # shutting down: the journal keeps it pending for the next start
+            return
         self.futures.add(fut)
         fut.add_done_callback(self.futures.discard)
 
-    def _delete(self, path: str) -> None:
+    def _delete(self, path: str, attempt: int) -> None:
         from dstl.changelog.handles import StreamStateHandle
+        from dstl.changelog.registry import DELETE_RETRY_DELAYS_S
 
         try:
             StreamStateHandle(path, 0).discard_state()
-        except Exception:
-            log.warning("could not delete changelog file %s (kept for retry at restart)", path, exc_info=True)
+        except Exception as exc:
+            with self.lock:
+                self.delete_failures += 1
+            if attempt < len(DELETE_RETRY_DELAYS_S) and not self._stop.is_set():
+                delay = DELETE_RETRY_DELAYS_S[attempt]
+                log.warning("could not delete changelog file %s (%s); retrying in %.1f s", path, exc, delay)
+                self._stop.wait(delay)  # keeps `sync` waiting for the retry, as in thread mode
+                self._delete(path, attempt + 1)
+            else:
+                log.warning("could not delete changelog file %s (kept, retried at the next start)", path,
+                            exc_info=True)
             return
         with self.lock:
-            op = ["deleted", 0, path]
             self.state.pending_delete.discard(path)
-            self.journal.append(op)
+            try:
+                self.journal.append(["deleted", 0, path])
+            except JournalError as exc:  # deleted again after a restart: harmless
+                log.warning("%s", exc)
 
     def handle(self, msg) -> bool:
-        kind = msg[0]
-        if kind == "shutdown":
-            return False
-        if kind == "count":
+        """One message from the service; False once it says Shutdown."""
+        return dispatch(self._table, msg)
+
+    def _query(self, msg: Query) -> bool:
+        if msg.kind == "count":
             with self.lock:
-                value = self.state.ref_count(msg[2])
-            self.conn.send(("reply", msg[1], value))
-            return True
-        if kind == "sync":
+                value = self.state.ref_count(msg.args[0])
+        elif msg.kind == "delete_failures":
+            with self.lock:
+                value = self.delete_failures
+        elif msg.kind == "sync":  # every deletion scheduled so far has run
             wait(list(self.futures))
-            self.conn.send(("reply", msg[1], None))
-            return True
+            value = None
+        else:
+            raise ProtocolError(f"unknown registry query {msg.kind!r}")
+        self.conn.send(QueryReply(msg.query_id, value))
+        return True
+
+    def _operation(self, msg: Operation) -> bool:
+        op = list(msg.record)
+        error = None
         with self.lock:
-            doomed = self.state.apply(list(msg))
-            self.journal.append(list(msg))
-            if self.journal.needs_compaction():
-                self.journal.compact(self.state)
+            if op[1] <= self.state.last_id:
+                doomed = []  # applied before a restart: re-sent, acknowledged again
+            else:
+                try:
+                    self.journal.append(op)  # whole (and fsynced where it protects a file) first
+                except JournalError as exc:
+                    error = str(exc)
+                    log.error("%s", exc)
+                    doomed = []
+                else:
+                    doomed = self.state.apply(op)
+            if error is None and self.journal.needs_compaction():
+                try:
+                    self.journal.compact(self.state)
+                except JournalError as exc:
+                    log.error("%s; the journal keeps growing until it can be written", exc)
         for path in doomed:
             self.schedule_delete(path)
-        self.conn.send(("ack", msg[1]))
+        self.conn.send(Ack(op[1], error))
         return True
 
     def finish(self) -> None:
@@ -182,7 +214,10 @@ class _Registry:
             self._sweeper.join(60)
         self.pool.shutdown(wait=True)
         with self.lock:
-            self.journal.compact(self.state)
+            try:
+                self.journal.compact(self.state)
+            except JournalError as exc:  # the log still holds every acknowledged operation
+                log.error("%s", exc)
             self.journal.close()
 
 
@@ -204,7 +239,7 @@ def registry_main(conn, journal_dir: str, discard_threads: int, checkpoints_base
         for path in sorted(reg.state.pending_delete):
             reg.schedule_delete(path)
         reg.start_sweeper()
-        conn.send(("hello", reg.state.last_id, os.getpid()))
+        conn.send(RegistryHello(reg.state.last_id, os.getpid()))
         try:
             while True:
                 try:

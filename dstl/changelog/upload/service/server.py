@@ -27,6 +27,10 @@ from multiprocessing.connection import Listener
 from typing import Dict, List, Optional
 
 from dstl.changelog.upload.service import shm
+from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
+                                                     Notice, ProtocolError, Refused, Release, Reply, Upload,
+                                                     Welcome, dispatch)
+from dstl.changelog.upload.service.worker import intended_url
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 
 log = logging.getLogger("dstl.changelog.upload.service")
@@ -72,6 +76,8 @@ class _BatchAction:
         self.tasks = tasks
         self.lock = threading.Lock()
         self.attempts = 0
+        self._worker = threading.local()  # the uploader prepare_attempt took, per attempt thread
+        self.settled = False  # set once the executor decided the action (won or failed)
         self.metrics = {"requests": 0, "failures": 0, "sizes": [], "latencies": [],
                         "batch_id": next(_batch_ids), "batch": len(tasks)}
         job_id, local_dir = tasks[0].group
@@ -91,23 +97,61 @@ class _BatchAction:
             self.metrics["sizes"] += m["sizes"]
             self.metrics["latencies"] += m["latencies"]
 
+    def _limit_s(self) -> Optional[float]:
+        """The longest an attempt may run: past its own timeout it races its speculative successors
+        (as in thread mode) until its action is decided, and at the latest until every attempt of
+        the policy has had its timeout. Then its uploader is killed and replaced."""
+        policy = self.service.policy
+        if policy.timeout_ms <= 0:
+            return None
+        attempts = getattr(policy, "max_attempts", 1)
+        delay = getattr(policy, "delay_ms", 0)
+        return (attempts * policy.timeout_ms + (attempts - 1) * delay) / 1000.0
+
+    def prepare_attempt(self) -> None:
+        """Take a healthy uploader before the attempt's timeout starts (a dead one costs no attempt)."""
+        self._worker.value = self.service.pool.acquire()
+
     def try_execute(self):
         with self.lock:
             self.attempts += 1
             n = self.attempts
         job = dict(self.job, file_name=str(uuid.uuid4()))
+        # journaled before the file exists: if this service dies mid-attempt, the next one knows
+        # the file and settles it like a dead client's (after the grace period)
+        intent = intended_url(job)
+        self.service.registry.submit("intent", intent, int(time.time() * 1000))
+        worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
-            res = self.service.pool.run(job)
+            res = self.service.pool.run(job, self._limit_s(), worker, lambda: self.settled)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
-            partial = getattr(exc, "partial_file", None)
-            if partial:  # a killed uploader cannot clean up after itself
-                self.service.registry.submit("discard", partial)
+            # a killed uploader cannot clean up after itself; a failed attempt deleted its partial
+            # file already, and discarding it again also forgets the intent
+            self.service.registry.submit("discard", getattr(exc, "partial_file", None) or intent)
             raise
         self._record(res["metrics"])
+        self._track(res)
         return n, res
 
+    def _track(self, res: dict) -> None:
+        """Start tracking the attempt's files in the registry, durably, before any client hears of
+        them; a journal that cannot record it fails the attempt (its files are deleted)."""
+        shares = _Counter()
+        for t in self.tasks:
+            shares[t.client.cid] += len(t.items)
+        try:
+            for path, n in res["started"]:
+                self.service.registry.apply("start", path, n, dict(shares))
+        except OSError:
+            for p in (res["path"], res["local_path"]):
+                if p:
+                    _delete_quietly(p)
+                    self.service.registry.submit("discard", p)
+            raise
+
     def complete_with_result(self, result) -> None:
+        self.settled = True
         n, res = result
         with self.lock:
             self.metrics["attempts"] = n
@@ -121,7 +165,17 @@ class _BatchAction:
                 self.service.registry.submit("discard", p)
 
     def handle_failure(self, exc: BaseException) -> None:
+        self.settled = True
         self.service.batch_failed(self, exc)
+
+
+def _delete_quietly(path: str) -> None:
+    from dstl.changelog.handles import StreamStateHandle
+
+    try:
+        StreamStateHandle(path, 0).discard_state()
+    except Exception:
+        log.warning("could not delete %s", path, exc_info=True)
 
 
 class UploadService:
@@ -153,6 +207,8 @@ class UploadService:
         self.registry = None
         self.executor = None
         self._ready = threading.Event()
+        self._client_table = {Upload: self._upload, Release: self._on_release, Call: self._call,
+                              Close: lambda _msg, client: self._client_closing(client)}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -187,6 +243,8 @@ class UploadService:
     def _start_children(self) -> None:
         try:
             self.registry.start()
+            # every client (and attempt) of an earlier service is gone: their shares become orphans
+            self.registry.submit("drop_client", "*", int(time.time() * 1000))
             self.pool.start()
         except Exception:
             log.exception("the upload service could not start its processes")
@@ -271,23 +329,18 @@ class UploadService:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     break
-                kind = msg[0]
-                if kind == "hello":
+                if client is None:  # the first message must be Hello
+                    if type(msg) is not Hello:
+                        log.warning("a connection opened with %s instead of Hello", type(msg).__name__)
+                        break
                     client = self._hello(conn, msg)
                     if client is None:
                         break
-                elif client is None:
-                    break
-                elif kind == "upload":
-                    self._upload(client, msg)
-                elif kind == "reg":
-                    self._registry_op(client, msg)
-                elif kind == "call":
-                    self._call(client, msg)
-                elif kind == "close":
-                    self._client_closing(client)
-                else:
-                    log.warning("unknown message %r from client %s", kind, client.cid)
+                    continue
+                try:
+                    dispatch(self._client_table, msg, client)
+                except ProtocolError as exc:
+                    log.warning("client %s: %s", client.cid, exc)
         finally:
             if client is not None:
                 self._client_gone(client)
@@ -296,8 +349,11 @@ class UploadService:
             except OSError:
                 pass
 
-    def _hello(self, conn, msg) -> Optional[_Client]:
-        _, cid, pid = msg[:3]
+    def _hello(self, conn, msg: Hello) -> Optional[_Client]:
+        cid, pid = msg.client_id, msg.pid
+        # welcomed once the uploaders and the registry run: a first attempt must not spend its
+        # timeout waiting for the pool to start
+        self._ready.wait(60)
         prefix = shm.segment_prefix(self.instance, pid, cid)
         client = _Client(cid, pid, conn, prefix)
         with self.lock:
@@ -307,17 +363,17 @@ class UploadService:
             if self.linger_timer is not None:
                 self.linger_timer.cancel()
                 self.linger_timer = None
-            welcome = ("welcome", self.instance, os.getpid(), self.config.max_in_flight, self.available,
-                       self.in_flight)
+            welcome = Welcome(self.instance, os.getpid(), self.config.max_in_flight, self.available,
+                              self.in_flight)
         if refused:
-            client.send(("refused", "the service is stopping"))
+            client.send(Refused("the service is stopping"))
             return None
         client.send(welcome)
         return client
 
-    def _upload(self, client: _Client, msg) -> None:
-        _, task_id, job_id, local_dir, segment, items, size = msg
-        task = _Task(client, task_id, (job_id, local_dir), segment, items, size)
+    def _upload(self, msg: Upload, client: _Client) -> None:
+        task_id, size = msg.task_id, msg.size
+        task = _Task(client, task_id, (msg.job_id, msg.local_dir), msg.segment, msg.items, size)
         with self.lock:
             if self.sticky is not None or client.closing or self.stopping:
                 exc = self.sticky if self.sticky is not None else CancelledError("the upload scheduler is closed")
@@ -332,7 +388,7 @@ class UploadService:
                 self.queue.append(task)
                 self.queued_bytes += size
         if fail:
-            client.send(("failed", task_id, exc, None, self._gauges()))
+            client.send(Failed(task_id, exc, None, self._gauges()))
             return
         if became_unavailable:
             self._broadcast_availability(False)
@@ -404,20 +460,15 @@ class UploadService:
             clients = [c for c in self.clients.values() if c.alive]
             gauges = (self.in_flight, len(self.queue), int(self.available))
         for c in clients:
-            c.send(("avail", available, gauges))
+            c.send(Availability(available, gauges))
 
     def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
-        shares = _Counter()
-        for t in action.tasks:
-            shares[t.client.cid] += len(t.items)
-        for path, n in res["started"]:
-            self.registry.submit("start", path, n, dict(shares))
         dead = set()
         for t, results in zip(action.tasks, res["tasks"]):
             self._release(t.size)
             self._finish_task(t)
             if t.client.alive:
-                t.client.send(("done", t.task_id, res["path"], res["local_path"], res["logical_size"], results,
+                t.client.send(Done(t.task_id, res["path"], res["local_path"], res["logical_size"], results,
                                action.metrics, self._gauges()))
             else:
                 dead.add(t.client)
@@ -433,7 +484,7 @@ class UploadService:
         for t in tasks:
             self._release(t.size)
             self._finish_task(t)
-            t.client.send(("failed", t.task_id, exc, metrics, self._gauges()))
+            t.client.send(Failed(t.task_id, exc, metrics, self._gauges()))
         self._after_finish(tasks)
 
     def _finish_task(self, t: _Task) -> None:
@@ -448,7 +499,7 @@ class UploadService:
             with self.lock:
                 idle = not c.tasks
             if idle and c.closing and c.alive:
-                c.send(("closed",))
+                c.send(Closed())
             if idle and not c.alive:
                 shm.sweep(c.prefix)
         self._arm_linger()
@@ -463,10 +514,10 @@ class UploadService:
         for t in mine:
             self._release(t.size)
             self._finish_task(t)
-            client.send(("failed", t.task_id, CancelledError("the upload scheduler was closed"), None,
+            client.send(Failed(t.task_id, CancelledError("the upload scheduler was closed"), None,
                          self._gauges()))
         if idle_after:
-            client.send(("closed",))
+            client.send(Closed())
 
     def _client_gone(self, client: _Client) -> None:
         with self.lock:
@@ -491,20 +542,11 @@ class UploadService:
         self._arm_linger()
 
     # ---- registry and calls ----------------------------------------------------------------
-    def _registry_op(self, client: _Client, msg) -> None:
-        _, kind, path = msg[:3]
-        if kind == "start":
-            n = int(msg[3])
-            self.registry.submit("start", path, n, {client.cid: n})
-        elif kind == "stop":
-            self.registry.submit("stop", path)
-        elif kind == "release":
-            self.registry.submit("release", path, client.cid)
-        else:
-            log.warning("unknown registry operation %r", kind)
+    def _on_release(self, msg: Release, client: _Client) -> None:
+        self.registry.submit("release", msg.path, client.cid)
 
-    def _call(self, client: _Client, msg) -> None:
-        _, call_id, name, args = msg
+    def _call(self, msg: Call, client: _Client) -> None:
+        call_id, name, args = msg.call_id, msg.name, msg.args
 
         def answer():
             try:
@@ -515,6 +557,8 @@ class UploadService:
                     value = self.status()
                 elif name == "count":
                     value = self.registry.query("count", args)
+                elif name == "delete_failures":
+                    value = self.registry.query("delete_failures")
                 elif name == "gauges":
                     value = self._gauges()
                 elif name == "flush":
@@ -522,11 +566,24 @@ class UploadService:
                     value = None
                 elif name == "sync":
                     value = self.registry.query("sync", timeout=120)
+                elif name == "reg":  # start / stop tracking: answered once durable in the journal
+                    kind, path, n = args
+                    try:
+                        if kind == "start":
+                            self.registry.apply("start", path, int(n), {client.cid: int(n)})
+                        elif kind == "stop":
+                            self.registry.apply("stop", path)
+                        else:
+                            raise ValueError(f"unknown registry call {kind!r}")
+                    except OSError as exc:  # logged (and so pushed to every client) as well as answered
+                        log.error("%s", exc)
+                        raise
+                    value = None
                 else:
                     raise ValueError(f"unknown call {name!r}")
-                client.send(("reply", call_id, True, value))
+                client.send(Reply(call_id, True, value))
             except BaseException as exc:
-                client.send(("reply", call_id, False, exc))
+                client.send(Reply(call_id, False, exc))
 
         if name == "ping":
             answer()  # on the reader thread: this is what the latency benchmark measures
@@ -543,6 +600,25 @@ class UploadService:
                 "clients": sorted(self.clients), "in_flight": self.in_flight, "queued": len(self.queue),
                 "available": self.available,
             }
+
+
+class _ClientNotices(logging.Handler):
+    """Pushes the service's errors to its clients (Notice): visible in their logs even when the
+    service's log file is on a full file system."""
+
+    def __init__(self, service: "UploadService"):
+        super().__init__(logging.ERROR)
+        self.service = service
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            with self.service.lock:
+                clients = [c for c in self.service.clients.values() if c.alive]
+            for c in clients:
+                c.send(Notice(text[:2000]))
+        except Exception:  # a log handler must never raise
+            pass
 
 
 def main(argv=None) -> int:
@@ -562,6 +638,7 @@ def main(argv=None) -> int:
 
     _preload_user_modules()
     service = UploadService(paths, config, linger)
+    logging.getLogger().addHandler(_ClientNotices(service))
 
     def on_term(_signo, _frame):  # stop accepting, finish what runs, clean up, exit
         service.terminated = True

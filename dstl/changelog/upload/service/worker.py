@@ -71,14 +71,10 @@ _uploaders: Dict[tuple, object] = {}
 
 def intended_url(job: dict) -> str:
     """The URL the attempt of `job` will create (what the uploader builds from its directory)."""
-    import fsspec
+    from dstl.changelog import fs as dfs
 
-    from dstl.changelog.handles import is_local_filesystem
-
-    fs, root = fsspec.core.url_to_fs(job["base_path"])
-    root = root.rstrip("/") if root not in ("/", "") else root
-    path = f"{root.rstrip('/')}/{job['job_id']}/dstl/{job['file_name']}"
-    return path if is_local_filesystem(fs) else fs.unstrip_protocol(path)
+    fs, directory = dfs.changelog_dir(job["base_path"], job["job_id"])
+    return dfs.url_of(fs, f"{directory}/{job['file_name']}")
 
 
 def run_attempt(job: dict) -> dict:
@@ -159,38 +155,52 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def worker_main(conn) -> None:
-    """Serve jobs from `conn` until None or end of file (the service is gone)."""
+    """Serve Job messages from `conn` until Stop or end of file (the service is gone)."""
+    from dstl.changelog.upload.service.protocol import (AttemptDone, AttemptFailed, Intent, Job, Stop,
+                                                         WorkerReady, dispatch)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s uploader %(levelname)s %(message)s")
     _preload_user_modules()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
+
+    def attempt(msg: Job):
+        job = msg.spec
         start = time.perf_counter_ns()
         try:
             if job.get("file_name"):
-                conn.send(("intent", intended_url(job)))
+                conn.send(Intent(intended_url(job)))
             res = run_attempt(job)
             res["wall_ns"] = time.perf_counter_ns() - start
-            msg = ("ok", res)
+            return AttemptDone(res)
         except BaseException as exc:  # an attempt's failure is data, not the worker's death
-            msg = ("err", _portable(exc), getattr(exc, "dstl_metrics", None))
+            return AttemptFailed(_portable(exc), getattr(exc, "dstl_metrics", None))
+
+    table = {Job: attempt, Stop: lambda _msg: None}
+    conn.send(WorkerReady(os.getpid()))
+    while True:
         try:
-            conn.send(msg)
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        answer = dispatch(table, msg)
+        if answer is None:
+            return
+        try:
+            conn.send(answer)
         except (BrokenPipeError, EOFError, OSError):
             return
 
 
+def user_modules() -> List[str]:
+    """The modules named in DSTL_SERVICE_IMPORTS (e.g. ones registering fsspec protocols)."""
+    return [n for n in (s.strip() for s in os.environ.get("DSTL_SERVICE_IMPORTS", "").split(",")) if n]
+
+
 def _preload_user_modules() -> None:
-    """Import the modules named in DSTL_SERVICE_IMPORTS (e.g. ones registering fsspec protocols)."""
+    """Import the modules named in DSTL_SERVICE_IMPORTS."""
     import importlib
 
-    for name in filter(None, (s.strip() for s in os.environ.get("DSTL_SERVICE_IMPORTS", "").split(","))):
+    for name in user_modules():
         importlib.import_module(name)
 
 
