@@ -40,7 +40,7 @@ LAYERS: List[Tuple[str, str, List[str]]] = [
     ("state", "keyed and operator state, materialization, checkpoint metadata", ["dstl.state"]),
     ("spark", "the dstl.spark library API", ["dstl.spark"]),
     ("app", "the demo and pipeline application", ["dstl.app"]),
-    ("tools", "dstl inspect, dump, gc, demo", ["dstl.tools"]),
+    ("tools", "dstl inspect, dump, gc, state, demo", ["dstl.tools"]),
     ("entry", "the dstl facade and command line", ["dstl.cli", "dstl.__main__"]),
 ]
 EXACT: Dict[str, str] = {"dstl": "entry"}
