@@ -54,3 +54,11 @@ def test_subpackages_are_attributes_of_dstl():
             "dstl.keygroups.assign_to_key_group(1, 128))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["decode_file", "dstl.state", "dstl.spark", str(dstl.keygroups.assign_to_key_group(1, 128))]
+
+
+def test_every_cython_module_has_a_type_stub():
+    import os
+
+    here = os.path.join(os.path.dirname(_impl.__file__), "_fast")
+    missing = [m for m in _impl.MODULES if not os.path.isfile(os.path.join(here, f"{m}.pyi"))]
+    assert missing == []
