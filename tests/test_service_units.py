@@ -194,20 +194,20 @@ def test_uploader_takes_the_file_name_the_service_announced(tmp_path):
 def test_a_dead_clients_shares_become_orphans_that_survive_a_restart(tmp_path):
     j = Journal(str(tmp_path / "j"))
     s = j.load()
-    ops = [["start", 1, "shared", 3, {"dead": 2, "live": 1}], ["start", 2, "alone", 1, {"dead": 1}],
+    ops = [["start", 1, "common", 3, {"dead": 2, "live": 1}], ["start", 2, "alone", 1, {"dead": 1}],
            ["start", 3, "other", 1, {"live": 1}], ["drop_client", 4, "dead", 1000]]
     for op in ops:
         assert s.apply(op) == []  # nothing is deleted when a client dies
         j.append(op)
-    assert s.orphans == {"shared": [1000, 2], "alone": [1000, 1]}
-    assert s.ref_count("shared") == 3 and s.expired_orphans(1999, 1000) == []
-    assert s.expired_orphans(2000, 1000) == ["alone", "shared"]
+    assert s.orphans == {"common": [1000, 2], "alone": [1000, 1]}
+    assert s.ref_count("common") == 3 and s.expired_orphans(1999, 1000) == []
+    assert s.expired_orphans(2000, 1000) == ["alone", "common"]
     j.close()
     s2 = Journal(str(tmp_path / "j")).load()  # replayed: the orphans and their times are back
-    assert s2.orphans == s.orphans and s2.ref_count("shared") == 3
-    # not referenced: the dead client's shares are released; the live share still holds "shared"
-    assert s2.resolve_orphan("shared", keep=False) == []
-    assert s2.ref_count("shared") == 1 and s2.apply(["release", 5, "shared", "live"]) == ["shared"]
+    assert s2.orphans == s.orphans and s2.ref_count("common") == 3
+    # not referenced: the dead client's shares are released; the live share still holds "common"
+    assert s2.resolve_orphan("common", keep=False) == []
+    assert s2.ref_count("common") == 1 and s2.apply(["release", 5, "common", "live"]) == ["common"]
     # referenced by a checkpoint: untracked, never deleted by later releases
     assert s2.resolve_orphan("alone", keep=True) == [] and s2.ref_count("alone") is None
     assert s2.orphans == {}
@@ -218,7 +218,7 @@ def test_a_dead_clients_shares_become_orphans_that_survive_a_restart(tmp_path):
         s3.apply(op)
     j3.compact(s3)
     j3.close()
-    assert Journal(str(tmp_path / "k")).load().orphans == {"shared": [1000, 2], "alone": [1000, 1]}
+    assert Journal(str(tmp_path / "k")).load().orphans == {"common": [1000, 2], "alone": [1000, 1]}
 
 
 def test_orphan_sweep_keeps_referenced_and_unreadable_deletes_the_rest(tmp_path, caplog):

@@ -48,20 +48,28 @@ def list_complete(fs, root: str) -> List[int]:
     return sorted(ids)
 
 
-def decode_envelope(data: bytes, source: str = "checkpoint metadata") -> dict:
-    """The msgpack map inside a `_metadata` file (magic and CRC checked)."""
+def unwrap_envelope(data: bytes, source: str = "checkpoint metadata",
+                    error: type = None) -> object:
+    """The msgpack value inside a `_metadata` file, magic and CRC checked; `error` (default
+    `UnreadableCheckpointError`) is what a torn, foreign or undecodable file raises."""
     import msgpack
 
+    error = error or UnreadableCheckpointError
     data = bytes(data)
     if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
-        raise UnreadableCheckpointError(f"{source}: not dstl checkpoint metadata or truncated ({len(data)} bytes)")
+        raise error(f"{source}: not dstl checkpoint metadata or truncated ({len(data)} bytes)")
     body, (crc,) = data[len(MAGIC):-4], struct.unpack(">I", data[-4:])
     if zlib.crc32(body) != crc:
-        raise UnreadableCheckpointError(f"{source}: checksum mismatch (torn or truncated file)")
+        raise error(f"{source}: checksum mismatch (torn or truncated file)")
     try:
-        d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as exc:
-        raise UnreadableCheckpointError(f"{source}: body is not valid msgpack ({exc})") from exc
+        raise error(f"{source}: body is not valid msgpack ({exc})") from exc
+
+
+def decode_envelope(data: bytes, source: str = "checkpoint metadata") -> dict:
+    """The msgpack map inside a `_metadata` file (magic, CRC and format version checked)."""
+    d = unwrap_envelope(data, source)
     if not isinstance(d, dict) or d.get("v") != FORMAT_VERSION:
         raise UnreadableCheckpointError(f"{source}: unsupported checkpoint metadata")
     return d

@@ -24,12 +24,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import msgpack
 
+from dstl.changelog.checkpoints import MAGIC, unwrap_envelope
 from dstl.errors import DstlError
 from dstl.types import KeyGroupRange
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"\x89DSTLCK1"  # 8 bytes; the high first byte keeps text tools from mistaking it for text
 METADATA_FILE = "_metadata"
 CHECKPOINTS_DIR = "checkpoints"
 # Version 1 throughout: a stored path without a scheme and without a leading "/" is relative to the
@@ -272,16 +272,7 @@ class CheckpointMetadata:
                    base: Optional[str] = None) -> "CheckpointMetadata":
         """Parse `to_bytes`' output; relative file paths are resolved against `base` when given
         (see `base_of_metadata_file`), else left relative."""
-        data = bytes(data)
-        if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
-            raise CorruptCheckpointError(f"{source}: not dstl checkpoint metadata or truncated ({len(data)} bytes)")
-        body, (crc,) = data[len(MAGIC):-4], struct.unpack(">I", data[-4:])
-        if zlib.crc32(body) != crc:
-            raise CorruptCheckpointError(f"{source}: checksum mismatch (torn or truncated file)")
-        try:
-            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{source}: body is not valid msgpack ({exc})") from exc
+        d = unwrap_envelope(data, source, CorruptCheckpointError)
         try:
             return cls.from_dict(d, base)
         except CorruptCheckpointError as exc:
