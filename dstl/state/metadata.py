@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import struct
 import time
 import uuid
@@ -24,19 +23,18 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import msgpack
 
-from dstl.changelog.checkpoints import MAGIC, unwrap_envelope
+from dstl.changelog import fs as dfs
+from dstl.changelog.checkpoints import (_CHK_RE, CHECKPOINTS_DIR, MAGIC, METADATA_FILE, list_complete,
+                                         unwrap_envelope)
 from dstl.errors import DstlError
 from dstl.types import KeyGroupRange
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = "_metadata"
-CHECKPOINTS_DIR = "checkpoints"
 # Version 1 throughout: a stored path without a scheme and without a leading "/" is relative to the
 # base path (dstl.state.relpaths), so metadata with absolute paths (as written before) reads unchanged.
 _FORMAT_VERSION = 1
 _READABLE_VERSIONS = (1,)
-_CHK_RE = re.compile(r"^chk-(\d+)$")
 
 __all__ = [
     "SubtaskState", "CheckpointMetadata", "CorruptCheckpointError", "CheckpointJobMismatchError",
@@ -310,8 +308,7 @@ def _is_local(fs) -> bool:
     return any(p in ("file", "local") for p in protocols)
 
 
-def _join(*parts: str) -> str:
-    return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
+_join = dfs.join
 
 
 def checkpoint_path(base_path: str, checkpoint_id: int) -> str:
@@ -409,19 +406,7 @@ def _existing_job_id(fs, root: str, exclude: str) -> Optional[str]:
     return None
 
 
-def _list(fs, root: str) -> List[int]:
-    directory = _join(root, CHECKPOINTS_DIR)
-    fs.invalidate_cache(directory)
-    try:
-        found = fs.glob(_join(directory, "chk-*", METADATA_FILE))
-    except FileNotFoundError:
-        return []
-    ids = set()
-    for p in found:
-        m = _CHK_RE.match(p.rstrip("/").split("/")[-2])
-        if m:
-            ids.add(int(m.group(1)))
-    return sorted(ids)
+_list = list_complete  # ids of the checkpoints with a `_metadata` file, ascending
 
 
 def _read(fs, root: str, checkpoint_id: int, base: Optional[str]) -> CheckpointMetadata:
