@@ -29,6 +29,17 @@ def _fields(schema: Any):
     return [f.name for f in schema.fields]
 
 
+def _schema_record(state_name: str, schema: Any) -> Dict[str, Any]:
+    """The `state_schemas` property (as StatefulStream records it) when the value schema is given:
+    read_state then shows the value's columns, and a StatefulStream resuming here checks its
+    declared schema against it (dstl.state.evolution)."""
+    if schema is None:
+        return {}
+    from dstl.state.schema import StateSchema
+
+    return {state_name: StateSchema(state_name, "value", schema).to_record()}
+
+
 def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, schema: Any = None,
                     max_parallelism: Optional[int] = None, parallelism: int, operator_id: Optional[str] = None,
                     output_path: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None,
@@ -38,8 +49,10 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     The value of each key is its row's `schema` columns as a list (a StatefulProcessor's tuple); with
     `schema=None`, the one non-key column itself, or a list of all non-key columns. A key must occur
     once. `operator_id` / `output_path` / `params` go into the job file and must be what the job that
-    continues passes (defaults: "dstl-bootstrap", `<base>/output`, none). Returns the checkpoint's
-    metadata.
+    continues passes (defaults: "dstl-bootstrap", `<base>/output`, none; for a StatefulStream pass
+    ``operator_id=StatefulStream.operator_id``). Checkpoint 1 has no Spark batch (its batch is -1):
+    the continuing job's first batch is 0. With `schema`, the state's schema is recorded as
+    StatefulStream records it. Returns the checkpoint's metadata.
     """
     import pandas as pd
 
@@ -121,6 +134,7 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     spec = JobSpec(job_id, operator_id, maxp, output, dict(params or {}))
     CheckpointCoordinator.open(base_path, spec, opts, resume=False)  # writes the job file
     props = {"batch": -1, "job_id": job_id, "operator_id": operator_id, "bootstrap": True,
+             "state_schemas": _schema_record(state_name, schema),
              "tokens": [uuid.uuid4().hex for _ in range(parallelism)], "output": {"batch": -1, "files": []}}
     meta = CheckpointMetadata(1, maxp, parallelism, subtasks, props, job_id=job_id)
     write_checkpoint(base_path, meta)

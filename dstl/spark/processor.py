@@ -388,15 +388,39 @@ def concat_frames(frames: List[Any]):
     return pd.DataFrame({c: np.concatenate(p) for c, p in zip(cols, parts)})
 
 
+def evolve_states(backend, evolutions: Dict[str, Dict[str, Any]], now_ms: int) -> List[str]:
+    """Convert the values of the states in `evolutions` (dstl.state.evolution.plan_state_evolution's
+    result) held by a restored backend to their new layout, then materialize, so the checkpoint this
+    batch writes holds only values of the new layout (its log restarts after the materialization).
+    Returns the names of the states converted."""
+    from dstl.state.evolution import evolve_backend, plan_evolution
+
+    done = []
+    for name, recs in sorted(evolutions.items()):
+        if name not in backend.state_names:
+            continue  # this subtask holds none of it
+        convert = plan_evolution(name, recs["old"], recs["new"])
+        if convert is not None:
+            evolve_backend(backend, name, convert)
+            done.append(name)
+    if done:
+        backend.ttl_clock = lambda: now_ms  # expiry at materialization is judged at the batch time
+        backend.materialize(force=True)
+    return done
+
+
 def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
                  initial_by_subtask: Optional[Dict[int, Any]] = None,
-                 event_col: Optional[str] = None) -> Callable:
+                 event_col: Optional[str] = None,
+                 evolutions: Optional[Dict[str, Dict[str, Any]]] = None) -> Callable:
     """`fn(rows, backend)` for the stateful task: a StatefulProcessor, or a vectorised function
     (called as is) when `processor` is not one.
 
     Before the user's code sees the rows, null keys are counted and dropped (the driver decides
     whether that is an error), and with `event_col` (epoch ms) late rows (before the watermark) are
-    counted and dropped, the batch's maximum event time noted, and the column removed."""
+    counted and dropped, the batch's maximum event time noted, and the column removed.
+    `evolutions` (the first batch after a resume whose declared schemas changed): the states whose
+    stored values are converted to their new layout before the processor sees them."""
     from dstl.spark import keyed as K
 
     vectorised = not is_stateful_processor(processor)
@@ -438,6 +462,10 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
 
     def task_fn(rows, backend):
         rows = prepare(rows)
+        if evolutions:
+            evolved = evolve_states(backend, evolutions, ctx.batch_timestamp_ms)
+            if evolved:
+                K.task_metrics()["evolved_states"] = len(evolved)
         sub = K.current_subtask()
         init = None if initial_by_subtask is None else initial_by_subtask.get(sub)
         local = BatchContext(ctx.batch_timestamp_ms, ctx.watermark_ms, ctx.time_mode, init)

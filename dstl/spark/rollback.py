@@ -6,9 +6,12 @@
    crash half-way is finished by the next open;
 2. moves the metadata of every later checkpoint to `<base>/checkpoints/_abandoned/<time>/chk-<id>/`
    (they are no longer complete checkpoints: nothing restores from them, and the ids are free again);
-3. moves the committed output of their batches to `<output>/_rolled_back/<time>/batch-NNNNNN/`, so
-   the output holds each batch exactly once from the chosen checkpoint on;
-4. deletes the plan.
+3. moves the committed output of their batches to `<output>/_rolled_back/<time>/batch-NNNNNN/`
+   (StatefulStream: `batch_id=N/`), so the output holds each batch exactly once from the chosen
+   checkpoint on;
+4. drops StatefulStream's sink markers of those batches (`<base>/_dstl_sink/batch-N`), so each
+   batch processed again after the roll-back is delivered to the sink again, once;
+5. deletes the plan.
 
 Their changelog files are then referenced by no retained checkpoint and are collected by the
 coordinator's garbage collection like any unreferenced file.
@@ -84,6 +87,25 @@ def roll_back(base_path: str, checkpoint_id: int, output_path: Optional[str]) ->
     return finish_roll_back(base_path)
 
 
+def _drop_sink_markers(base_path: str, first_batch: int) -> None:
+    from dstl.spark.sink import SINK_DIR
+
+    fs, root = _fs(f"{base_path.rstrip('/')}/{SINK_DIR}")
+    fs.invalidate_cache()
+    try:
+        names = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return
+    for p in names:
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("batch-") and name[6:].isdigit() and int(name[6:]) >= first_batch:
+            try:
+                fs.rm(p)
+            except FileNotFoundError:
+                pass
+    fs.invalidate_cache()
+
+
 def finish_roll_back(base_path: str) -> Optional[RollbackResult]:
     """Carry out (again) a roll-back plan left at `base_path`; None if there is none."""
     from dstl.state.relpaths import resolve
@@ -114,6 +136,7 @@ def finish_roll_back(base_path: str) -> Optional[RollbackResult]:
             elif name.startswith("batch_id=") and name[9:].isdigit() and int(name[9:]) >= plan["first_batch"]:
                 _mv(ofs, f"{oroot}/{name}", f"{oroot}/{ROLLED_BACK_DIR}/{stamp}/{name}")
                 moved.append(int(name[9:]))
+    _drop_sink_markers(base_path, plan["first_batch"])
     fs.rm_file(plan_file)
     fs.invalidate_cache()
     log.info("rolled back to checkpoint %s: abandoned %s, output of batches %s moved", plan["checkpoint_id"],

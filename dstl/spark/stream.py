@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from dstl.spark.job import BatchResult
 
@@ -55,6 +55,8 @@ class StreamBatchResult(BatchResult):
     batch_timestamp_ms: int = 0
     timers_fired: int = 0
     sink_called: bool = False
+    #: states whose stored values this batch converted to a changed declared schema
+    evolved_states: List[str] = dataclasses.field(default_factory=list)
     #: where the batch's time went on the driver: prepare (key column, counts, persist), tasks, commit
     phases_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -103,8 +105,18 @@ class StatefulStream:
     StructType of what it returns. Options beyond Spark's: `null_keys` ("error" or "drop"),
     `initial_state` (a DataFrame for `handleInitialState`, applied on the job's first batch),
     `clock` (ms; the batch timestamp, for tests), `retain` (checkpoints kept),
-    `materialize_every` (changes logged per subtask before a compact snapshot).
+    `materialize_every` (changes logged per subtask before a compact snapshot), `resume_from` (roll
+    the job back to this retained checkpoint before the first batch; see `open`).
+
+    On resume, each state the processor declares is compared with the schema recorded in the
+    checkpoint it continues from (dstl.state.evolution): added fields read as null, removed ones are
+    dropped, int -> long and float -> double widen, and the first batch converts the stored values
+    (log and materializations alike) and records the new schemas. A rename or narrowing raises
+    `SchemaEvolutionError` from `open()`, before anything at the base path changes.
     """
+
+    #: the operator id in the job file (bootstrap_state(..., operator_id=StatefulStream.operator_id))
+    operator_id = OPERATOR_ID
 
     def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: str, parallelism: int,
                  max_parallelism: Optional[int] = None, time_mode: str = "None",
@@ -112,7 +124,8 @@ class StatefulStream:
                  output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
                  storage_options: Optional[Dict[str, Any]] = None, null_keys: str = "error",
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
-                 materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY):
+                 materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
+                 resume_from: Optional[int] = None):
         from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
         from dstl.spark.processor import is_stateful_processor, normalize_time_mode
 
@@ -143,6 +156,7 @@ class StatefulStream:
             raise TypeError("sink must be a function sink(out_df, batch_id)")
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
+        self.resume_from = None if resume_from is None else _check_int("resume_from", resume_from, 1)
         self.base_path = base_path.rstrip("/")
         self.processor = processor
         self.output_schema = output_schema
@@ -158,13 +172,22 @@ class StatefulStream:
         self.backend_options = {"materialize_every_changes": materialize_every} if materialize_every else {}
         self._arrow_schema = _output_arrow_schema(output_schema)
         self._schemas = None
+        #: {state: {"old": record, "new": record}} to convert in the next batch (a resume's first)
+        self._evolutions: Dict[str, Dict[str, Any]] = {}
         self.coordinator = None
         #: the latest batches' results (a long-running query keeps only these)
         self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
 
     # ---------------------------------------------------------------- open or create
     def open(self):
-        """Create the job at `base_path`, or resume the one there (a new parallelism rescales)."""
+        """Create the job at `base_path`, or resume the one there (a new parallelism rescales).
+
+        With `resume_from=N`, the job first rolls back to its retained checkpoint N
+        (dstl.spark.rollback): later checkpoints are abandoned, the committed output of their
+        batches moves under `<output>/_rolled_back/<time>/` and their sink markers are dropped, so
+        the job's next batch is N's Spark batch id + 1 and every later batch is processed (and
+        delivered to the sink) anew, once. Batch ids up to N's are replays; a query must deliver
+        the next one (see docs/streaming.md, "Rolling back")."""
         if self.coordinator is not None:
             return self.coordinator
         import fsspec
@@ -175,6 +198,16 @@ class StatefulStream:
 
         fs, root = fsspec.core.url_to_fs(self.base_path)
         exists = fs.exists(f"{root}/{JOB_FILE}")
+        if self.resume_from is not None and not exists:
+            raise JobConflictError(f"resume_from={self.resume_from}: there is no job to roll back at "
+                                   f"{self.base_path} ({JOB_FILE} missing)")
+        declared = None
+        if self.is_processor:
+            from dstl.spark.processor import declared_schemas
+
+            declared = {n: s.to_record() for n, s in declared_schemas(self.processor).items()}
+            if exists:  # a forbidden schema change fails here, before a roll-back moves anything
+                self._plan_evolution(_resume_point(self.base_path, self.resume_from), declared)
         maxp = self.max_parallelism
         if maxp is None and not exists:
             maxp = compute_default_max_parallelism(self.parallelism)
@@ -183,17 +216,26 @@ class StatefulStream:
         spec = JobSpec.new(OPERATOR_ID, maxp or 0, self.output_path, params)
         coord = CheckpointCoordinator.open(self.base_path, spec, self.storage_options, resume=exists,
                                            retain=self.retain, backend_options=self.backend_options,
-                                           output_layout=OUTPUT_LAYOUT)
+                                           output_layout=OUTPUT_LAYOUT, resume_from=self.resume_from)
         if self.parallelism > coord.spec.max_parallelism:
             raise JobConflictError(f"parallelism {self.parallelism} exceeds the job's max parallelism "
                                    f"{coord.spec.max_parallelism} (fixed when the job at {self.base_path} "
                                    f"was created)")
-        if self.is_processor:
-            from dstl.spark.processor import declared_schemas
-
-            self._schemas = {n: s.to_record() for n, s in declared_schemas(self.processor).items()}
+        if declared is not None:
+            self._schemas = self._plan_evolution(coord.latest, declared)
         self.coordinator = coord
         return coord
+
+    def _plan_evolution(self, meta, declared: Dict[str, Any]) -> Dict[str, Any]:
+        """Compare the declared state schemas with those recorded in `meta` (None: a new job); note
+        the conversions for the next batch and return the schemas to record (recorded states the
+        processor no longer declares keep their record: their values stay)."""
+        from dstl.state.evolution import plan_state_evolution
+
+        recorded = dict((meta.properties.get("state_schemas") or {}) if meta is not None else {})
+        self._evolutions = plan_state_evolution(recorded, declared)
+        recorded.update(declared)
+        return recorded
 
     @property
     def max_parallelism_in_use(self) -> int:
@@ -274,7 +316,8 @@ class StatefulStream:
             ctx = BatchContext(batch_ts, watermark, self.time_mode)
             initial = self._initial_by_subtask(maxp) if latest is None else None
             fn = make_task_fn(self.processor, self.key, ctx, initial,
-                              event_col=ET_COL if self.time_mode == "EventTime" else None)
+                              event_col=ET_COL if self.time_mode == "EventTime" else None,
+                              evolutions=self._evolutions)
             plan = coord.plan(batch_id, self.parallelism)
             plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
             reports_df = stateful_map_in_pandas_pinned(keyed, fn, self.output_schema, checkpoint=plan)
@@ -302,6 +345,8 @@ class StatefulStream:
                  "timers_fired": fired}
         stats = coord.complete(plan, reports, properties=props,
                                after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
+        evolved = sorted(self._evolutions)
+        self._evolutions = {}  # the checkpoint holds the new layout and records the new schemas
         sink_called = self._deliver(spark, batch_id, plan.checkpoint_id)
         t_end = time.perf_counter()
         faults.point("stream.after_sink", batch_id)
@@ -314,6 +359,7 @@ class StatefulStream:
             restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
             reports=reports, stats=stats, batch_id=batch_id, late_rows=late, null_rows=nulls,
             watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called,
+            evolved_states=evolved,
             phases_ms={"prepare": (t_prep - t0) * 1e3, "tasks": (t_tasks - t_prep) * 1e3,
                        "commit": (t_end - t_tasks) * 1e3})
         self.results.append(res)
@@ -382,6 +428,18 @@ class StatefulStream:
             pdf = pdf[pdf[self.key].notna()]
         subs = operator_indices_for_key_groups(assign_key_groups(pdf[self.key], maxp), maxp, self.parallelism)
         return {i: pdf[subs == i].reset_index(drop=True) for i in np.unique(subs).tolist()}
+
+
+def _resume_point(base_path: str, resume_from: Optional[int]):
+    """The checkpoint a resume continues from (None if unreadable: the coordinator reports why)."""
+    from dstl.state.metadata import latest_checkpoint, list_checkpoints, read_checkpoint
+
+    try:
+        if resume_from is not None:
+            return read_checkpoint(base_path, resume_from) if resume_from in list_checkpoints(base_path) else None
+        return latest_checkpoint(base_path)
+    except Exception:  # noqa: BLE001 - CheckpointCoordinator.open raises the precise error
+        return None
 
 
 def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

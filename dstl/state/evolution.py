@@ -15,6 +15,11 @@ field by field and returns a converter from old stored lists to new ones:
 `evolve_backend(backend, name, converter)` converts every value of a restored backend's state in
 memory: values come from the log and from materializations alike, since both are replayed into the
 same table. Materialize afterwards, so later checkpoints hold only values of the new layout.
+
+`plan_state_evolution(recorded, declared)` does the comparison for a whole job (StatefulStream, on
+resume): the `state_schemas` records of the checkpoint it resumes from against the ones the
+processor declares now. It also refuses what no value converter can follow: a state that changes
+kind, a map state whose user key schema changes, a TTL added or removed.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from dstl.errors import DstlError
 
-__all__ = ["SchemaEvolutionError", "plan_evolution", "evolve_backend"]
+__all__ = ["SchemaEvolutionError", "plan_evolution", "plan_state_evolution", "evolve_backend"]
 
 _WIDER = {  # type -> the types it may widen to (besides itself)
     "byte": {"short", "integer", "long"}, "short": {"integer", "long"}, "integer": {"long"},
@@ -104,6 +109,34 @@ def plan_evolution(state: str, old: Dict[str, Any], new: Dict[str, Any]) -> Opti
     """A converter from values stored under `old` to the layout of `new` (struct schema records, the
     JSON form of a StructType); None when nothing changes. Raises SchemaEvolutionError."""
     return _plan(state, old, new)
+
+
+def plan_state_evolution(recorded: Dict[str, Any], declared: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The value-schema changes of a job's states: `recorded` and `declared` map state names to
+    StateSchema records (`kind`, `value`, optionally `user_key`, `ttl_ms`). Returns
+    ``{name: {"old": value record, "new": value record}}`` for every state whose stored values must be
+    converted; raises SchemaEvolutionError (naming the state, and the field where there is one) for
+    any change that old values cannot follow. States only in one of the two are not compared: a new
+    state starts empty, an undeclared one keeps its values and record."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for name in sorted(set(recorded) & set(declared)):
+        old, new = recorded[name], declared[name]
+        if not isinstance(old, dict) or not isinstance(old.get("value"), dict):
+            continue  # nothing usable recorded (an older job): nothing to compare against
+        if old.get("kind") != new.get("kind"):
+            raise SchemaEvolutionError(f"state {name!r} holds {old.get('kind')} state; it is now declared as "
+                                       f"{new.get('kind')} state (use another state name)")
+        if old.get("user_key") is not None and old.get("user_key") != new.get("user_key"):
+            raise SchemaEvolutionError(f"state {name!r}: the map's user key schema changes "
+                                       f"({old.get('user_key_ddl', '?')} -> {new.get('user_key_ddl', '?')}); "
+                                       "stored entries are found by their encoded user key, so it cannot change")
+        if (old.get("ttl_ms") is None) != (new.get("ttl_ms") is None):
+            have = "without" if old.get("ttl_ms") is None else "with"
+            raise SchemaEvolutionError(f"state {name!r} was created {have} a TTL; its TTL cannot be "
+                                       f"{'added' if have == 'without' else 'removed'} (use another state name)")
+        if plan_evolution(name, old["value"], new["value"]) is not None:
+            out[name] = {"old": old["value"], "new": new["value"]}
+    return out
 
 
 def evolve_backend(backend, name: str, convert: Callable[[Any], Any]) -> int:
