@@ -264,6 +264,12 @@ class StatefulStream:
             return self._replay(batch_id, df)
         if batch_id > expected:
             done = "no batch yet" if expected == 0 else f"batches up to {expected - 1}"
+            if coord.rolled_back is not None:
+                raise StreamGapError(
+                    f"batch {batch_id} arrived, but the job at {self.base_path} was rolled back to checkpoint "
+                    f"{coord.rolled_back.checkpoint_id} and has completed {done}: the query must deliver batch "
+                    f"{expected} next (rewind its checkpoint location to batch {expected - 1}, or feed the "
+                    f"redone batches with run())")
             raise StreamGapError(
                 f"batch {batch_id} arrived, but the job at {self.base_path} has completed {done}: batch "
                 f"ids must follow each other (was the Spark checkpoint location replaced, or another "

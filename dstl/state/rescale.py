@@ -20,6 +20,10 @@ __all__ = ["rescale_checkpoint"]
 _OPERATOR = "dstl-rescale"
 
 
+def _never() -> int:
+    return -(1 << 62)
+
+
 def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Optional[int] = None,
                        serializers: Optional[Dict[str, Any]] = None,
                        storage_options: Optional[Dict[str, Any]] = None):
@@ -44,7 +48,10 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
         raise ValueError(f"parallelism {p} exceeds max parallelism {max_parallelism}")
     new_id = old.checkpoint_id + 1
     storage = _storage(base_path, old.job_id, storage_options)
-    backends = [KeyedStateBackend(storage, _OPERATOR, r, max_parallelism) for r in ranges]
+    # no TTL purge in an offline rewrite: expiry is judged in the job's own time (StatefulStream: the
+    # batch timestamp), which the wall clock here may be far ahead of
+    backends = [KeyedStateBackend(storage, _OPERATOR, r, max_parallelism, ttl_clock=_never)
+                for r in ranges]
     try:
         for s in old.subtasks:
             if s.key_group_range.is_empty():

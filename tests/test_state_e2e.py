@@ -1,0 +1,150 @@
+"""Issue 12's end-to-end test: a StatefulStream job with a TTL'd state, a map state and timers runs
+through driver crashes (replayed batches), parallelism changes and an offline max-parallelism
+rescale on an injected clock, then `read_state` and `read_timers` equal the live state and timers
+computed with pandas from the input (keys, values, TTL expiry), and each timer fired exactly once.
+
+The in-process version (crashes raised at the fault points, Spark's replays done by hand) runs under
+both implementations; the real thing (a Structured Streaming driver SIGKILLed twice, restarted at
+other parallelisms) runs once, under the Cython build.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("pyspark")
+
+from pyspark import cloudpickle  # noqa: E402
+
+from conftest import expected_implementation  # noqa: E402
+
+import expiry_driver  # noqa: E402
+from expiry_driver import batch_time, batches, expected, make_stream  # noqa: E402
+
+cloudpickle.register_pickle_by_value(expiry_driver)
+
+pytestmark = pytest.mark.spark
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _check(spark, base, frames):
+    """read_state / read_timers (Spark and pandas readers) and the fired timers against pandas."""
+    from dstl.spark import read_state, read_timers
+    from dstl.state import read_state_pandas, read_timers_pandas
+
+    live, hits, timers, fired = expected(frames)
+    now = batch_time(len(frames) - 1)
+    assert len(live) and len(live) < 10 and len(fired) and len(timers)  # expiry and timers did happen
+
+    got = read_state(spark, base, "total", now_ms=now).toPandas()
+    got = got[["key", "n"]].sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, live, check_dtype=False)
+    got = read_state_pandas(base, "total", now_ms=now)[["key", "n"]].sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, live, check_dtype=False)
+    # without the TTL filter at the last batch's time, expired values would show up (if not purged)
+    everything = read_state_pandas(base, "total", now_ms=0)
+    assert set(live.key) <= set(everything.key)
+
+    h = read_state(spark, base, "hits", now_ms=now).toPandas()
+    h = h.assign(parity=h.user_key.map(json.loads))[["key", "parity", "c"]]
+    pd.testing.assert_frame_equal(h.sort_values(["key", "parity"]).reset_index(drop=True), hits, check_dtype=False)
+
+    t = read_timers(spark, base).toPandas()[["key", "timestamp_ms"]].sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(t, timers, check_dtype=False)
+    t = read_timers_pandas(base)[["key", "timestamp_ms"]].sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(t, timers, check_dtype=False)
+
+    import pyarrow.dataset as ds
+
+    out = ds.dataset(os.path.join(base, "output"), format="parquet", partitioning="hive").to_table().to_pandas()
+    out = out[out.kind == "timer"]
+    got_fired = sorted(zip(out.batch_id.astype(int), out.user, out.expiry.astype(int)))
+    assert got_fired == sorted(fired)  # each timer fired once, in the batch pandas says
+
+
+def test_crashes_rescales_and_ttl_then_read_state_equals_pandas(spark, tmp_path):
+    from dstl.spark import faults
+    from dstl.state.rescale import rescale_checkpoint
+
+    base = str(tmp_path / "job")
+    frames = batches()
+    sdf = [spark.createDataFrame(f, expiry_driver.INPUT_SCHEMA) for f in frames]
+
+    s = make_stream(base, 2)
+    s(sdf[0], 0)
+    s(sdf[1], 1)
+    with faults.armed("stream.after_checkpoint@2=raise"), pytest.raises(faults.InjectedFault):
+        s(sdf[2], 2)                                 # checkpoint durable, output not committed
+    s = make_stream(base, 3)                         # the restarted driver, another parallelism
+    assert s(sdf[2], 2).replayed                     # Spark replays batch 2: output committed, no state change
+    s(sdf[3], 3)
+    with faults.armed("stream.after_sink@4=raise"), pytest.raises(faults.InjectedFault):
+        s(sdf[4], 4)
+    s.close()
+    rescale_checkpoint(base, 256, parallelism=2)     # offline: 128 -> 256 key groups, timers included
+    s = make_stream(base, 1)
+    assert s(sdf[4], 4).replayed
+    assert s.max_parallelism_in_use == 256
+    s(sdf[5], 5)
+    s(sdf[6], 6)
+    s.close()
+    _check(spark, base, frames)
+
+
+def _run_driver(args, faults_spec, timeout=600):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYSPARK_PYTHON=sys.executable,
+               SPARK_LOCAL_IP="127.0.0.1")
+    env.pop("DSTL_FAULTS", None)
+    if faults_spec:
+        env["DSTL_FAULTS"] = faults_spec
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "expiry_driver.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        _reap_group(proc.pid)
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _reap_group(pgid: int) -> None:
+    """The driver's JVM exits when its Python parent dies; wait for the group, then SIGKILL it by id."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+def test_sigkilled_driver_rescaled_then_read_state_and_timers_equal_pandas(spark, tmp_path):
+    from dstl.state.rescale import rescale_checkpoint
+
+    base, inputs, ckpt = (str(tmp_path / n) for n in ("job", "in", "spark-ckpt"))
+    frames = batches()
+    expiry_driver.write_inputs(inputs, frames)
+    # 1: SIGKILL after batch 2's checkpoint is durable, before its output commit
+    rc, out = _run_driver([base, inputs, ckpt, "2"], "stream.after_checkpoint@2=kill")
+    assert rc == -signal.SIGKILL, out[-3000:]
+    # 2: restart at parallelism 3; Spark replays batch 2; SIGKILL after batch 4's sink returned
+    rc, out = _run_driver([base, inputs, ckpt, "3"], "stream.after_sink@4=kill")
+    assert rc == -signal.SIGKILL, out[-3000:]
+    # 3: offline max-parallelism change, then restart at parallelism 1 and finish
+    rescale_checkpoint(base, 256, parallelism=2)
+    rc, out = _run_driver([base, inputs, ckpt, "1"], None)
+    assert rc == 0, out[-3000:]
+    _check(spark, base, frames)
