@@ -21,6 +21,8 @@ _EXPORTS: Dict[str, str] = {
     "TtlValueState": "dstl.state.ttl", "TtlListState": "dstl.state.ttl", "TtlMapState": "dstl.state.ttl",
     "read_state_pandas": "dstl.state.reader", "read_changes_pandas": "dstl.state.reader",
     "StateReadError": "dstl.state.reader", "read_timers_pandas": "dstl.state.reader",
+    "SchemaEvolutionError": "dstl.state.evolution", "plan_evolution": "dstl.state.evolution",
+    "plan_state_evolution": "dstl.state.evolution",
 }
 __all__ = sorted(_EXPORTS)
 
