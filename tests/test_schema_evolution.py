@@ -73,3 +73,42 @@ def test_old_values_from_log_and_materialization_read_in_the_new_layout(tmp_path
         again = KeyedStateBackend.restore(storage, "op", kgr, 128, [KeyedStateSnapshot.from_bytes(snap2.to_bytes())])
         assert again.value_state("profile").get("bob") == ["bob", 7, 2.5, [48.1, 11.6, None], None]
         again.close()
+
+
+def _rec(kind, value, user_key=None, ttl_ms=None):
+    rec = {"kind": kind, "value": value, "ttl_ms": ttl_ms}
+    if user_key is not None:
+        rec["user_key"], rec["user_key_ddl"] = user_key, "k"
+    return rec
+
+
+def test_plan_state_evolution_compares_a_jobs_states():
+    from dstl.state.evolution import plan_state_evolution
+
+    key = struct(("day", "string"))
+    recorded = {"profile": _rec("value", OLD), "hits": _rec("map", struct(("c", "integer")), key),
+                "gone": _rec("list", struct(("v", "string"))), "old_job": {"kind": "value"}}
+    declared = {"profile": _rec("value", NEW), "hits": _rec("map", struct(("c", "long")), key),
+                "new": _rec("value", struct(("x", "long"))), "old_job": _rec("value", struct(("v", "long")))}
+    # profile converts; hits only widens integers (no conversion); states in one side only, or
+    # without a usable record, are not compared
+    assert plan_state_evolution(recorded, declared) == {"profile": {"old": OLD, "new": NEW}}
+    assert plan_state_evolution(recorded, recorded) == {}
+    assert plan_state_evolution({}, declared) == {}
+
+
+@pytest.mark.parametrize("declared,message", [
+    ({"s": _rec("list", struct(("v", "long")))}, "state 's' holds value state; it is now declared as list state"),
+    ({"s": _rec("value", struct(("v", "long")), ttl_ms=1000)}, "state 's' was created without a TTL; its TTL cannot be added"),
+    ({"s": _rec("value", struct(("v", "integer")))}, r"state 's': field 'v' is narrowed \(long -> integer\)"),
+])
+def test_plan_state_evolution_refuses_what_values_cannot_follow(declared, message):
+    from dstl.state.evolution import plan_state_evolution
+
+    with pytest.raises(SchemaEvolutionError, match=message):
+        plan_state_evolution({"s": _rec("value", struct(("v", "long")))}, declared)
+    with pytest.raises(SchemaEvolutionError, match="state 'm': the map's user key schema changes"):
+        plan_state_evolution({"m": _rec("map", struct(("c", "long")), struct(("k", "string")))},
+                             {"m": _rec("map", struct(("c", "long")), struct(("k", "long")))})
+    with pytest.raises(SchemaEvolutionError, match="state 't' was created with a TTL; its TTL cannot be removed"):
+        plan_state_evolution({"t": _rec("value", struct(("v", "long")), ttl_ms=5)}, {"t": _rec("value", struct(("v", "long")))})
