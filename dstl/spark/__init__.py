@@ -30,6 +30,7 @@ _EXPORTS: Dict[str, str] = {
     "ProcessorHandle": "dstl.spark.processor",
     "read_state": "dstl.spark.state_reader", "read_changes": "dstl.spark.state_reader",
     "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
+    "rewind_query_checkpoint": "dstl.spark.query_checkpoint",
 }
 __all__ = sorted(_EXPORTS)
 

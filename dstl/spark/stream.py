@@ -4,7 +4,8 @@
 >>> query = events.writeStream.foreachBatch(stream).option("checkpointLocation", ckpt).start()
 >>> stream.run(static_df)        # the same for a batch DataFrame: one checkpoint per call
 
-One micro-batch is one dstl checkpoint, numbered by Spark's batch id. Per batch, on the driver:
+One micro-batch is one dstl checkpoint, which records Spark's batch id (checkpoint ids may run ahead
+of batch ids: a bootstrapped first checkpoint, an offline rescale). Per batch, on the driver:
 
 1. a replayed batch id (already in a completed checkpoint) changes no state: it only finishes that
    batch's output commit and calls the sink if it has not returned yet; a gap is an error;
@@ -187,7 +188,7 @@ class StatefulStream:
         batches moves under `<output>/_rolled_back/<time>/` and their sink markers are dropped, so
         the job's next batch is N's Spark batch id + 1 and every later batch is processed (and
         delivered to the sink) anew, once. Batch ids up to N's are replays; a query must deliver
-        the next one (see docs/streaming.md, "Rolling back")."""
+        the next one (docs/streaming.md, "Rolling back, bootstrapping, rescaling offline")."""
         if self.coordinator is not None:
             return self.coordinator
         import fsspec
@@ -268,8 +269,9 @@ class StatefulStream:
                 raise StreamGapError(
                     f"batch {batch_id} arrived, but the job at {self.base_path} was rolled back to checkpoint "
                     f"{coord.rolled_back.checkpoint_id} and has completed {done}: the query must deliver batch "
-                    f"{expected} next (rewind its checkpoint location to batch {expected - 1}, or feed the "
-                    f"redone batches with run())")
+                    f"{expected} next (stop it and rewind its checkpoint location with "
+                    f"dstl.spark.rewind_query_checkpoint(location, {expected - 1}), or feed the redone "
+                    f"batches with run())")
             raise StreamGapError(
                 f"batch {batch_id} arrived, but the job at {self.base_path} has completed {done}: batch "
                 f"ids must follow each other (was the Spark checkpoint location replaced, or another "
