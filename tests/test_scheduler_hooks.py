@@ -190,6 +190,10 @@ def test_listeners_end_on_the_current_state_under_racing_changes():
             heard.append(available)
 
     th.availability.add_listener(listener)
+    th.take(45)  # one taker crosses the limit alone: heard at once
+    assert heard == [False]
+    th.release(45)
+    assert heard == [False, True]
 
     def worker(seed):
         rnd = random.Random(seed)
