@@ -424,14 +424,20 @@ class UploadService:
             client = a.inner.client
             if not client.alive:
                 dead.add(client)
-            a.complete((res, results))  # capacity back to the throttle, then Done to the client
+            try:
+                a.complete((res, results))  # capacity back to the throttle, then Done to the client
+            except Exception:  # one task's trouble must not keep the rest of the batch waiting
+                log.exception("settling task %s of client %s failed", a.inner.task_id, client.cid)
         for c in dead:  # the file's start of tracking gave them shares after they were dropped
             if not c.closing:
                 self.registry.submit("drop_client", c.cid, int(time.time() * 1000))
 
     def batch_failed(self, action: _BatchAction, exc: BaseException) -> None:
         for a in action.admitted:
-            a.fail(exc)
+            try:
+                a.fail(exc)
+            except Exception:
+                log.exception("failing task %s of client %s failed", a.inner.task_id, a.inner.client.cid)
 
     def task_done(self, t: _Task, res: dict, results: list) -> None:
         self._finish_task(t)
