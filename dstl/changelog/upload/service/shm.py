@@ -147,6 +147,12 @@ def _shm_open(name: str, flags: int) -> int:
         return os.open(os.path.join(SHM_DIR, name), flags, 0o600)
 
 
+def open_readonly(name: str) -> int:
+    """A read-only descriptor of an existing segment (FileNotFoundError if it is gone): the uploader
+    copies from it with sendfile/pread, without mapping it."""
+    return _shm_open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+
 def attach(name: str) -> SharedMemory:
     """Map an existing segment without taking ownership (FileNotFoundError if it is gone)."""
     shm = SharedMemory(name=name, create=False)
@@ -205,6 +211,6 @@ def sweep_orphans(alive) -> int:
     return count
 
 
-__all__ = ["create_segment", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
+__all__ = ["create_segment", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
            "segment_prefix", "SHM_DIR"]
 
