@@ -444,7 +444,8 @@ def test_closed_backend_rejects_mutations(storage):
 
 @pytest.mark.s3
 def test_state_on_s3_rescale_with_materialization(s3_bucket):
-    with open_storage(f"{s3_bucket}/changelog", batch_persist_delay="5 ms") as st:
+    # moto on a loaded machine can take over the default 1 s per attempt; this is not a timeout test
+    with open_storage(f"{s3_bucket}/changelog", batch_persist_delay="5 ms", upload_timeout="30 s") as st:
         olds = [KeyedStateBackend(st, "op", kg_range(MAXP, 2, i), MAXP) for i in range(2)]
         model = {}
         keys = pd.Series([f"user-{i}" for i in range(3000)])

@@ -40,24 +40,6 @@ cdef int _check_max_parallelism(object max_parallelism) except -1:
     return value
 
 
-cdef inline int32_t _murmur(uint32_t c) noexcept nogil:
-    c *= 0xCC9E2D51u
-    c = (c << 15) | (c >> 17)
-    c *= 0x1B873593u
-    c = (c << 13) | (c >> 19)
-    c = c * 5u + 0xE6546B64u
-    c ^= 4u
-    c ^= c >> 16
-    c *= 0x85EBCA6Bu
-    c ^= c >> 13
-    c *= 0xC2B2AE35u
-    c ^= c >> 16
-    # |c| as int32, with Integer.MIN_VALUE -> 0; written without branches so loops vectorise
-    cdef uint32_t neg = 0u - (c >> 31)
-    cdef uint32_t a = (c ^ neg) - neg
-    return <int32_t>(a & ~(0u - (a >> 31)))
-
-
 cdef inline int32_t _kg(uint32_t code, int32_t max_parallelism, bint pow2) noexcept nogil:
     cdef int32_t m = _murmur(code)
     # murmur is never negative, so the mask equals % for a power of two (and skips a division)

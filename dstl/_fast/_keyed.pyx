@@ -16,7 +16,7 @@ from libc.string cimport memcpy
 
 import msgpack
 
-from dstl._fast._hash cimport _java_hash
+from dstl._fast._hash cimport _java_hash, _murmur
 from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 
 cdef extern from "Python.h":
@@ -24,25 +24,6 @@ cdef extern from "Python.h":
 
 
 cdef object _packb = msgpack.packb
-
-
-cdef inline int32_t _murmur(uint32_t c) noexcept nogil:
-    """Flink's MathUtils.murmurHash (docs/rescaling.md §3), as in dstl/_fast/_hash.pyx."""
-    c *= 0xCC9E2D51u
-    c = (c << 15) | (c >> 17)
-    c *= 0x1B873593u
-    c = (c << 13) | (c >> 19)
-    c = c * 5u + 0xE6546B64u
-    c ^= 4u
-    c ^= c >> 16
-    c *= 0x85EBCA6Bu
-    c ^= c >> 13
-    c *= 0xC2B2AE35u
-    c ^= c >> 16
-    cdef int32_t m = <int32_t>c
-    if m >= 0:
-        return m
-    return 0 if m == -2147483648 else -m
 
 
 cdef class KeyedAppender:

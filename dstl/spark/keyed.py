@@ -471,16 +471,24 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
                                                max_parallelism, parallelism)
     order = np.argsort(subtasks, kind="stable")
     bounds = np.searchsorted(subtasks[order], np.arange(parallelism + 1))
+    return _pinned_union(
+        spark, parallelism,
+        lambda i: spark.createDataFrame(pdf.iloc[order[bounds[i]:bounds[i + 1]]], schema=events_schema),
+        lambda i: _make_task(checkpoint, fn, arrow_schema, list(pdf.columns), None, fixed_subtask=i))
+
+
+def _pinned_union(spark, parallelism: int, part_of: Callable, task_of: Callable):
+    """One single-partition `mapInPandas` branch per subtask, each created while `DSTL_SUBTASK_SLOT`
+    names that subtask (the UDF captures the environment when it is created), so subtask i keeps
+    running in the same Python worker; the branches' reports unioned."""
     env = spark.sparkContext.environment
     saved = env.get(SLOT_ENV)
     branches = []
     try:
         for i in range(parallelism):
-            part = pdf.iloc[order[bounds[i]:bounds[i + 1]]]
-            df = spark.createDataFrame(part, schema=events_schema).coalesce(1)
-            env[SLOT_ENV] = str(i)  # captured when the UDF is created, just below
-            task = _make_task(checkpoint, fn, arrow_schema, list(pdf.columns), None, fixed_subtask=i)
-            branches.append(df.mapInPandas(task, REPORT_SCHEMA))
+            part = part_of(i).coalesce(1)
+            env[SLOT_ENV] = str(i)
+            branches.append(part.mapInPandas(task_of(i), REPORT_SCHEMA))
     finally:
         if saved is None:
             env.pop(SLOT_ENV, None)
@@ -506,24 +514,10 @@ def stateful_map_in_pandas_pinned(df, fn: Callable, schema, *, checkpoint: Check
     spark = df.sparkSession
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
-    env = spark.sparkContext.environment
-    saved = env.get(SLOT_ENV)
-    branches = []
-    try:
-        for i in range(checkpoint.parallelism):
-            part = df.filter(F.col(SUBTASK_COL) == i).coalesce(1)
-            env[SLOT_ENV] = str(i)  # captured when the UDF is created, just below
-            task = _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by, fixed_subtask=i)
-            branches.append(part.mapInPandas(task, REPORT_SCHEMA))
-    finally:
-        if saved is None:
-            env.pop(SLOT_ENV, None)
-        else:
-            env[SLOT_ENV] = saved
-    out = branches[0]
-    for b in branches[1:]:
-        out = out.union(b)
-    return out
+    return _pinned_union(
+        spark, checkpoint.parallelism,
+        lambda i: df.filter(F.col(SUBTASK_COL) == i),
+        lambda i: _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by, fixed_subtask=i))
 
 
 def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
