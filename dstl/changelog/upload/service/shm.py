@@ -90,6 +90,10 @@ def create_segment(name: str, bodies: Sequence, reuse: bool = False) -> Tuple[in
 
 
 _IOV_MAX = 1024
+# pieces a streaming body is written in: each write() gives the GIL up and takes it back, which on a
+# busy writer (its appending thread holds the GIL) waits up to the switch interval (5 ms) each
+# time, so a body is written whole (it is built whole up to 16 MiB anyway) rather than in 1 MiB pieces
+STREAM_PIECE = 16 << 20
 
 
 def _streams(body) -> bool:
@@ -118,7 +122,7 @@ def _write_stream(fd: int, body, length: int, at: int) -> int:
             off += os.pwrite(fd, v[off:], pos + off)
         pos += v.nbytes
 
-    body.write_to(write)
+    body.write_to(write, max(1, min(length, STREAM_PIECE)))
     if pos - at != length:
         raise RuntimeError(f"a sealed body streamed {pos - at} bytes, but its length is {length}")
     return pos
