@@ -91,10 +91,10 @@ def _is_local(url: str) -> bool:
 
 def _check_location(url: str, what: str) -> None:
     """A local path's parent directory must exist; a remote URL's bucket/root must exist."""
-    import fsspec
+    from dstl.changelog.fs import filesystem
 
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = filesystem(url)
     except (ValueError, ImportError) as exc:
         _fail(f"{what} {url}: {exc}")
     if _is_local(url):
@@ -514,11 +514,12 @@ def read_checkpoint_state(coord, meta) -> Dict[Any, Dict[str, Any]]:
 
 def read_output(output: str):
     """All committed output rows (batches with a _SUCCESS marker); errors on staged leftovers."""
-    import fsspec
     import pandas as pd
     import pyarrow.parquet as pq
 
-    fs, root = fsspec.core.url_to_fs(output)
+    from dstl.changelog.fs import filesystem
+
+    fs, root = filesystem(output)
     fs.invalidate_cache()
     frames = []
     if not fs.exists(root):

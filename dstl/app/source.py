@@ -84,12 +84,13 @@ class FileSource:
     REQUIRED = ("user_id", "item_id", "amount_cents", "ts")
 
     def __init__(self, path: str, batches: int):
-        import fsspec
         import pandas as pd
+
+        from dstl.changelog.fs import filesystem
 
         if batches < 1:
             raise ValueError(f"--batches must be >= 1, got {batches}")
-        fs, p = fsspec.core.url_to_fs(path)
+        fs, p = filesystem(path)
         if not fs.exists(p):
             raise FileNotFoundError(f"--input {path} does not exist")
         ext = os.path.splitext(p)[1].lower()

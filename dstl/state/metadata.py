@@ -293,19 +293,14 @@ class CheckpointMetadata:
 
 
 def _fs(base_path: str):
-    from fsspec.core import url_to_fs
-
     if hasattr(base_path, "__fspath__"):
         base_path = os.fspath(base_path)
     if not isinstance(base_path, str) or not base_path:
         raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
-    fs, root = url_to_fs(base_path)
-    return fs, root.rstrip("/") or "/"
+    return dfs.root_of(base_path)
 
 
-def _is_local(fs) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return any(p in ("file", "local") for p in protocols)
+_is_local = dfs.is_local
 
 
 _join = dfs.join

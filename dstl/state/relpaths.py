@@ -7,19 +7,15 @@ used as it is (files outside the base path, metadata written before relative pat
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Tuple
 
 __all__ = ["is_relative", "relative_to", "resolve", "map_handle_paths"]
 
 
 def _split(url: str) -> Tuple[Any, str]:
-    from fsspec.core import url_to_fs
+    from dstl.changelog.fs import root_of
 
-    if hasattr(url, "__fspath__"):
-        url = os.fspath(url)
-    fs, path = url_to_fs(url)
-    return fs, path.rstrip("/") or "/"
+    return root_of(url)
 
 
 def _protocol(fs) -> str:

@@ -87,9 +87,9 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
 
 def update_job_file(base_path: str, max_parallelism: int) -> bool:
     """Set the max parallelism in `<base>/_dstl_job.json` (if there is one); True if it changed."""
-    from fsspec.core import url_to_fs
+    from dstl.changelog.fs import filesystem
 
-    fs, root = url_to_fs(base_path)
+    fs, root = filesystem(base_path)
     path = f"{root.rstrip('/')}/_dstl_job.json"
     fs.invalidate_cache()
     if not fs.exists(path):

@@ -5,7 +5,7 @@ import abc
 import logging
 import threading
 from concurrent.futures import CancelledError
-from typing import List, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 from dstl.changelog.upload.task import UploadTask
 from dstl.changelog.upload.throttle import AvailabilityProvider, UploadThrottle
@@ -119,29 +119,75 @@ def _fail_all(tasks, exc: BaseException) -> None:
             log.exception("failure callback of %r failed", t)
 
 
+class AdmittedTask(UploadTask):
+    """A task the batching scheduler accepted: its bytes go back to the throttle when it settles,
+    before the submitter's callback runs (docs/semantics.md §2.4). `inner` is the task as submitted."""
+
+    __slots__ = ("inner", "_throttle")
+
+    def __init__(self, inner: UploadTask, throttle: UploadThrottle):
+        # the inner task's fields, not a copy of its change sets: this is on every persist's path
+        self.inner = inner
+        self.change_sets = inner.change_sets
+        self.on_complete = inner.on_complete
+        self.on_failed = inner.on_failed
+        self.size = inner.size
+        self._lock = threading.Lock()
+        self._finished = False
+        self._throttle = throttle
+
+    def complete(self, results) -> None:
+        if self._finish():
+            self._throttle.release(self.size)
+            self.inner.complete(results)
+
+    def fail(self, exc: BaseException) -> None:
+        if self._finish():
+            self._throttle.release(self.size)
+            self.inner.fail(exc)
+
+
+ActionFactory = Callable[[List[AdmittedTask]], object]
+
+
 class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
     """Collects tasks of all writers for `persist_delay_ms` (or `persist_size_threshold` bytes) into one file.
 
-    Back-pressure: `upload` waits while `max_in_flight` bytes are accepted and unfinished.
+    Back-pressure: `upload` waits while `max_in_flight` bytes are accepted and unfinished;
+    `upload_nowait` never waits (its callers waited on the availability provider themselves).
+
+    Hooks for a host with several kinds of tasks (the upload service):
+    - `make_action(tasks) -> RetriableAction` builds the attempt for one batch (default: one
+      uploader attempt writing the tasks into one file); it gets `AdmittedTask`s whose `inner` is
+      the task as submitted;
+    - `group_key(task)` splits each drain into one batch per key, first-come order kept inside a
+      batch (default: one batch per drain);
+    - `cancel(predicate, exc)` fails queued tasks, `fail_later_uploads(exc)` makes an error sticky.
     """
 
     def __init__(self, persist_delay_ms: int, persist_size_threshold: int, max_in_flight: int,
-                 retry_policy, uploader, executor, metrics=None):
+                 retry_policy, uploader, executor, metrics=None, *,
+                 make_action: Optional[ActionFactory] = None,
+                 group_key: Optional[Callable[[UploadTask], Hashable]] = None):
         if persist_size_threshold > max_in_flight:
             raise ValueError(
                 f"persist-size-threshold ({persist_size_threshold}) must not exceed "
                 f"upload.max-in-flight ({max_in_flight})")
         if persist_delay_ms < 0:
             raise ValueError(f"persist-delay must be >= 0 ms, got {persist_delay_ms}")
+        if uploader is None and make_action is None:
+            raise ValueError("a batching scheduler needs an uploader or a make_action factory")
         self.persist_delay_ms = int(persist_delay_ms)
         self.persist_size_threshold = int(persist_size_threshold)
         self.retry_policy = retry_policy
         self.uploader = uploader
         self.executor = executor
         self.metrics = metrics
+        self._make_action = make_action
+        self._group_key = group_key
         self._throttle = UploadThrottle(max_in_flight)
         self._lock = threading.Lock()
-        self._queue: List[UploadTask] = []
+        self._queue: List[AdmittedTask] = []
         self._queued_bytes = 0
         self._timer: Optional[threading.Timer] = None
         self._closed = False
@@ -160,6 +206,10 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
         return self._throttle.availability
 
     @property
+    def max_in_flight(self) -> int:
+        return self._throttle.max_in_flight
+
+    @property
     def waiting_callers(self) -> int:
         """Callers blocked on back-pressure right now (for tests and diagnostics)."""
         return self._throttle.waiting
@@ -168,8 +218,23 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
     def sticky_error(self) -> Optional[BaseException]:
         return self._error
 
+    def fail_later_uploads(self, exc: BaseException) -> None:
+        """Make `exc` sticky (unless an error already is): queued and later uploads fail with it."""
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+
     # -- upload ---------------------------------------------------------------------------------
     def upload(self, task: UploadTask) -> None:
+        self._admit(task, True)
+
+    def upload_nowait(self, task: UploadTask) -> None:
+        """Like `upload`, but take the capacity at once even past `max_in_flight`, and never raise:
+        a closed scheduler fails the task with CancelledError. For a host whose callers wait for
+        availability themselves (one task each may overshoot; later ones wait)."""
+        self._admit(task, False)
+
+    def _admit(self, task: UploadTask, wait: bool) -> None:
         if self._error is not None:
             task.fail(self._error)
             return
@@ -177,36 +242,24 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
             task.fail(CancelledError("the upload scheduler is closed"))
             return
         try:
-            self._throttle.acquire(task.size)
+            if wait:
+                self._throttle.acquire(task.size)
+            else:
+                self._throttle.take(task.size)
         except CancelledError as exc:
             task.fail(exc)
-            raise
-        size = task.size
-        released = threading.Event()
-
-        def release() -> None:
-            # capacity goes back before the writer's callback runs (docs/semantics.md §2.4)
-            if not released.is_set():
-                released.set()
-                self._throttle.release(size)
-
-        def on_complete(results) -> None:
-            release()
-            task.complete(results)
-
-        def on_failed(_sqns, exc) -> None:
-            release()
-            task.fail(exc)
-
-        wrapped = UploadTask(task.change_sets, on_complete, on_failed)
+            if wait:
+                raise
+            return
+        admitted = AdmittedTask(task, self._throttle)
         drain_now = False
         with self._lock:
             if self._closed:
                 closed = True
             else:
                 closed = False
-                self._queue.append(wrapped)
-                self._queued_bytes += size
+                self._queue.append(admitted)
+                self._queued_bytes += admitted.size
                 if self.persist_delay_ms == 0 or self._queued_bytes >= self.persist_size_threshold:
                     drain_now = True
                     if self._timer is not None:
@@ -218,18 +271,40 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
                     self._timer.daemon = True
                     self._timer.start()
         if closed:
-            wrapped.fail(CancelledError("the upload scheduler is closed"))
-            raise CancelledError("the upload scheduler was closed while the upload was being scheduled")
+            admitted.fail(CancelledError("the upload scheduler is closed"))
+            if wait:
+                raise CancelledError("the upload scheduler was closed while the upload was being scheduled")
+            return
         if drain_now:
             self._drain()
 
     def flush(self) -> None:
-        """Drain the queue now (tests, shutdown helpers)."""
+        """Drain the queue now (tests, shutdown helpers, the service's `flush` call)."""
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
         self._drain()
+
+    def cancel(self, predicate: Callable[[UploadTask], bool], exc: BaseException) -> int:
+        """Fail with `exc` every queued task (as submitted) that `predicate` selects; returns how many.
+
+        Tasks already handed to an attempt are not touched: they settle with their batch.
+        """
+        with self._lock:
+            keep: List[AdmittedTask] = []
+            gone: List[AdmittedTask] = []
+            for t in self._queue:
+                (gone if predicate(t.inner) else keep).append(t)
+            if not gone:
+                return 0
+            self._queue = keep
+            self._queued_bytes -= sum(t.size for t in gone)
+            if not self._queue and self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        _fail_all(gone, exc)
+        return len(gone)
 
     def _drain(self) -> None:
         with self._lock:
@@ -244,19 +319,37 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
         if error is not None:
             _fail_all(tasks, error)
             return
+        if self._group_key is None:
+            self._hand_off(tasks)
+            return
+        groups: Dict[Hashable, List[AdmittedTask]] = {}
+        for t in tasks:
+            groups.setdefault(self._group_key(t.inner), []).append(t)
+        for batch in groups.values():
+            self._hand_off(batch)
+
+    def _hand_off(self, tasks: List[AdmittedTask]) -> None:
+        """One batch -> one action on the executor (one file)."""
         if self.metrics is not None:
             self.metrics.upload_batch_sizes.update(len(tasks))
         try:
-            self.executor.execute(self.retry_policy, _BatchUploadAction(self.uploader, tasks))
+            if self._make_action is None:
+                action = _BatchUploadAction(self.uploader, tasks)
+            else:
+                action = self._make_action(tasks)
+            self.executor.execute(self.retry_policy, action)
         except BaseException as exc:
             if not isinstance(exc, OSError):
-                self._error = exc
+                with self._lock:
+                    if self._error is None:
+                        self._error = exc
                 log.error("upload hand-off failed; failing every later upload", exc_info=True)
             _fail_all(tasks, exc)
 
     # -- close ----------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Fail queued and waiting uploads with CancelledError, wait for running attempts, close the uploader."""
+    def close(self, reason: str = "the upload scheduler was closed before the upload started") -> None:
+        """Fail queued and waiting uploads with CancelledError(`reason`), wait for running attempts,
+        close the uploader (if any)."""
         with self._close_lock:
             if self._closed_done:
                 return
@@ -269,11 +362,12 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
             tasks, self._queue = self._queue, []
             self._queued_bytes = 0
         self._throttle.close()
-        _fail_all(tasks, CancelledError("the upload scheduler was closed before the upload started"))
+        _fail_all(tasks, CancelledError(reason))
         try:
             self.executor.close(wait=True)
         finally:
-            self.uploader.close()
+            if self.uploader is not None:
+                self.uploader.close()
 
     def __repr__(self) -> str:
         return (f"BatchingStateChangeUploadScheduler(delay={self.persist_delay_ms} ms, "
@@ -282,4 +376,4 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
 
 
 __all__ = ["StateChangeUploadScheduler", "BatchingStateChangeUploadScheduler", "DirectUploadScheduler",
-           "AvailabilityProvider"]
+           "AdmittedTask", "AvailabilityProvider"]

@@ -42,11 +42,13 @@ class UploadTask:
 
     def __init__(self, change_sets: Sequence[SealedChangeSet],
                  on_complete: Callable[[List[UploadResult]], None],
-                 on_failed: Callable[[List[SequenceNumber], BaseException], None]):
+                 on_failed: Callable[[List[SequenceNumber], BaseException], None],
+                 size: Optional[int] = None):
         self.change_sets = list(change_sets)
         self.on_complete = on_complete
         self.on_failed = on_failed
-        self.size = sum(cs.size for cs in self.change_sets)
+        # `size` for a task whose bodies travel elsewhere (the upload service's shared memory)
+        self.size = sum(cs.size for cs in self.change_sets) if size is None else int(size)
         self._lock = threading.Lock()
         self._finished = False
 

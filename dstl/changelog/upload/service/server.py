@@ -5,9 +5,12 @@ Threads: one accepting connections, one per client reading its messages, the Ret
 attempt threads (each drives one attempt in an uploader process), timers. Children: the uploader pool
 and the registry process (both forked from a forkserver).
 
-Semantics are docs/semantics.md §7.3 over all clients: `in_flight` counts the bytes of every client, the
-availability change is pushed to every client, batches are cut by persist delay / size threshold and
-grouped by job (one file per job and local-recovery directory per drain).
+The core is thread mode's: one `BatchingStateChangeUploadScheduler` (its `UploadThrottle` and
+`RetryingExecutor`) holds every client's tasks, so docs/semantics.md §7.3 holds over all clients:
+in-flight bytes count every client, an availability change is pushed to every client, batches are cut
+by persist delay / size threshold and grouped by job (one file per job and local-recovery directory
+per drain). What is the service's own: an attempt runs in a pool process (`_BatchAction`), a task's
+bodies wait in a shared-memory segment, and settling a task answers its client.
 """
 from __future__ import annotations
 
@@ -26,12 +29,14 @@ from concurrent.futures import CancelledError
 from multiprocessing.connection import Listener
 from typing import Dict, List, Optional
 
+from dstl.changelog.upload.scheduler import AdmittedTask, BatchingStateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
 from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
                                                      Notice, ProtocolError, Refused, Release, Reply, Upload,
                                                      Welcome, dispatch)
 from dstl.changelog.upload.service.worker import intended_url
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
+from dstl.changelog.upload.task import UploadTask
 
 log = logging.getLogger("dstl.changelog.upload.service")
 
@@ -40,14 +45,15 @@ _batch_ids = itertools.count(1)
 
 
 class _Client:
-    __slots__ = ("cid", "pid", "conn", "send_lock", "alive", "closing", "tasks", "prefix")
+    __slots__ = ("cid", "pid", "conn", "send_lock", "alive", "closing", "welcomed", "tasks", "prefix")
 
     def __init__(self, cid: str, pid: int, conn, prefix: str):
         self.cid, self.pid, self.conn, self.prefix = cid, pid, conn, prefix
         self.send_lock = threading.Lock()
         self.alive = True
         self.closing = False
-        self.tasks: Dict[int, "_Task"] = {}
+        self.welcomed = False  # pushes (availability, notices) only after its Welcome
+        self.tasks: Dict[int, "_Task"] = {}  # unsettled: queued in the scheduler or in an attempt
 
     def send(self, msg) -> None:
         if not self.alive:
@@ -59,33 +65,50 @@ class _Client:
             pass  # the reader thread sees the connection drop and cleans up
 
 
-class _Task:
-    __slots__ = ("client", "task_id", "group", "segment", "items", "size", "state")
+class _Task(UploadTask):
+    """One client's upload in the shared scheduler: its bodies wait in shared-memory `segment`
+    (`items` describe them); settling it answers the client with Done or Failed."""
 
-    def __init__(self, client: _Client, task_id: int, group: tuple, segment: str, items: list, size: int):
-        self.client, self.task_id, self.group = client, task_id, group
-        self.segment, self.items, self.size = segment, items, size
-        self.state = "queued"
+    __slots__ = ("service", "client", "task_id", "group", "segment", "items", "action")
+
+    def __init__(self, service: "UploadService", client: _Client, task_id: int, group: tuple, segment: str,
+                 items: list, size: int):
+        UploadTask.__init__(self, (), None, None, size)
+        self.service, self.client, self.task_id, self.group = service, client, task_id, group
+        self.segment, self.items = segment, items
+        self.action: Optional[_BatchAction] = None  # set once a drain put it in a batch
+
+    def complete(self, outcome) -> None:
+        """`outcome` = (the attempt's result, this task's (sqn, offset, local offset, size) list)."""
+        if self._finish():
+            self.service.task_done(self, *outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        if self._finish():
+            self.service.task_failed(self, exc)
 
 
 class _BatchAction:
     """RetriableAction: one attempt = one uploader process writes every task of the batch into one file."""
 
-    def __init__(self, service: "UploadService", tasks: List[_Task]):
+    def __init__(self, service: "UploadService", admitted: List[AdmittedTask]):
         self.service = service
-        self.tasks = tasks
+        self.admitted = admitted  # settling these gives the bytes back to the throttle first
+        self.tasks: List[_Task] = [a.inner for a in admitted]
+        for t in self.tasks:
+            t.action = self
         self.lock = threading.Lock()
         self.attempts = 0
         self._worker = threading.local()  # the uploader prepare_attempt took, per attempt thread
         self.settled = False  # set once the executor decided the action (won or failed)
         self.metrics = {"requests": 0, "failures": 0, "sizes": [], "latencies": [],
-                        "batch_id": next(_batch_ids), "batch": len(tasks)}
-        job_id, local_dir = tasks[0].group
+                        "batch_id": next(_batch_ids), "batch": len(self.tasks)}
+        job_id, local_dir = self.tasks[0].group
         cfg = service.config
         self.job = {
             "base_path": cfg.base_path, "job_id": job_id, "local_dir": local_dir,
             "compression": cfg.compression, "buffer_size": cfg.upload_buffer_size,
-            "tasks": [(t.task_id, t.segment, t.items) for t in tasks],
+            "tasks": [(t.task_id, t.segment, t.items) for t in self.tasks],
         }
 
     def _record(self, m: Optional[dict], exc: Optional[BaseException] = None) -> None:
@@ -182,7 +205,7 @@ class UploadService:
     """One service per host and (base path, options)."""
 
     def __init__(self, paths: ServicePaths, config, linger_ms: int = LINGER_MS_DEFAULT):
-        from dstl.changelog.upload.retry import RetryPolicy
+        from dstl.changelog.upload.retry import RetryingExecutor, RetryPolicy
 
         self.paths = paths
         self.config = config
@@ -190,14 +213,9 @@ class UploadService:
         self.instance = f"{os.getpid()}x{secrets.token_hex(3)}"
         self.policy = RetryPolicy.from_config(config)
         self.lock = threading.RLock()
+        self._welcome_lock = threading.Lock()  # orders a client's Welcome before any push to it
         self.clients: Dict[str, _Client] = {}
-        self.queue: List[_Task] = []
-        self.queued_bytes = 0
-        self.in_flight = 0
-        self.available = True
-        self.timer: Optional[threading.Timer] = None
         self.linger_timer: Optional[threading.Timer] = None
-        self.sticky: Optional[BaseException] = None
         self.stopping = False
         self.terminated = False  # set by the SIGTERM handler (a plain attribute: no locks there)
         self.stopped = threading.Event()
@@ -205,7 +223,13 @@ class UploadService:
         self.ctx = None
         self.pool = None
         self.registry = None
-        self.executor = None
+        # thread mode's core, hosted: queue, timer, back-pressure, sticky error, retries
+        self.executor = RetryingExecutor(config.upload_num_threads)
+        self.scheduler = BatchingStateChangeUploadScheduler(
+            config.persist_delay_ms, config.persist_size_threshold, config.max_in_flight, self.policy,
+            None, self.executor, make_action=lambda admitted: _BatchAction(self, admitted),
+            group_key=lambda task: task.group)
+        self.scheduler.get_availability_provider().add_listener(self._broadcast_availability)
         self._ready = threading.Event()
         self._client_table = {Upload: self._upload, Release: self._on_release, Call: self._call,
                               Close: lambda _msg, client: self._client_closing(client)}
@@ -213,7 +237,6 @@ class UploadService:
     # ---- lifecycle -------------------------------------------------------------------------
     def serve(self) -> None:
         """Listen, start the children in the background, serve until the linger after the last client."""
-        from dstl.changelog.upload.retry import RetryingExecutor
         from dstl.changelog.upload.service.forwarder import RegistryForwarder
         from dstl.changelog.upload.service.pool import UploaderPool, service_context
 
@@ -230,7 +253,6 @@ class UploadService:
         self.pool = UploaderPool(self.ctx, self.config.upload_num_threads)
         self.registry = RegistryForwarder(self.ctx, self.paths.journal_dir, self.config.discard_num_threads,
                                           self.config.base_path)
-        self.executor = RetryingExecutor(self.config.upload_num_threads)
         threading.Thread(target=self._start_children, name="dstl-start-children", daemon=True).start()
         threading.Thread(target=self._accept_loop, name="dstl-accept", daemon=True).start()
         self._arm_linger()
@@ -248,8 +270,7 @@ class UploadService:
             self.pool.start()
         except Exception:
             log.exception("the upload service could not start its processes")
-            with self.lock:
-                self.sticky = self.sticky or OSError("the upload service could not start its processes")
+            self.scheduler.fail_later_uploads(OSError("the upload service could not start its processes"))
         self._ready.set()
 
     def _accept_loop(self) -> None:
@@ -263,9 +284,12 @@ class UploadService:
                 continue
             threading.Thread(target=self._serve_client, args=(conn,), name="dstl-client", daemon=True).start()
 
+    def _busy(self) -> bool:
+        return bool(self.scheduler.in_flight_bytes() or self.scheduler.queue_size())
+
     def _arm_linger(self) -> None:
         with self.lock:
-            if self.stopping or self.clients or self.in_flight or self.queue:
+            if self.stopping or self.clients or self._busy():
                 return
             if self.linger_timer is None:
                 self.linger_timer = threading.Timer(self.linger_ms / 1000.0, self._linger_expired)
@@ -277,7 +301,7 @@ class UploadService:
         with file_lock(self.paths.lock):
             with self.lock:
                 self.linger_timer = None
-                if self.clients or self.in_flight or self.queue or self.stopping:
+                if self.clients or self._busy() or self.stopping:
                     return
                 self.stopping = True
             for p in (self.paths.socket, self.paths.pid_file):
@@ -305,15 +329,8 @@ class UploadService:
                 except FileNotFoundError:
                     pass
         self._ready.wait(120)
-        with self.lock:  # SIGTERM with tasks still waiting for their batch: they will not be uploaded
-            queued, self.queue = self.queue, []
-            self.queued_bytes = 0
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-        if queued:
-            self._fail_tasks(queued, CancelledError("the upload service is stopping"), None)
-        self.executor.close(wait=True)
+        # SIGTERM with tasks still waiting for their batch: they fail; running attempts finish
+        self.scheduler.close("the upload service is stopping")
         self.pool.close()
         self.registry.stop()
         n = shm.sweep(f"{shm.PREFIX}{self.instance}_")
@@ -356,180 +373,117 @@ class UploadService:
         self._ready.wait(60)
         prefix = shm.segment_prefix(self.instance, pid, cid)
         client = _Client(cid, pid, conn, prefix)
-        with self.lock:
-            refused = self.stopping
-            if not refused:
-                self.clients[cid] = client
-            if self.linger_timer is not None:
-                self.linger_timer.cancel()
-                self.linger_timer = None
-            welcome = Welcome(self.instance, os.getpid(), self.config.max_in_flight, self.available,
-                              self.in_flight)
-        if refused:
-            client.send(Refused("the service is stopping"))
-            return None
-        client.send(welcome)
+        with self._welcome_lock:  # an availability push waits for this Welcome, so it cannot pass it
+            with self.lock:
+                refused = self.stopping
+                if not refused:
+                    self.clients[cid] = client
+                if self.linger_timer is not None:
+                    self.linger_timer.cancel()
+                    self.linger_timer = None
+            in_flight, _queued, available = self._gauges()
+            if refused:
+                client.send(Refused("the service is stopping"))
+                return None
+            client.send(Welcome(self.instance, os.getpid(), self.scheduler.max_in_flight, bool(available),
+                                in_flight))
+            client.welcomed = True
         return client
 
     def _upload(self, msg: Upload, client: _Client) -> None:
-        task_id, size = msg.task_id, msg.size
-        task = _Task(client, task_id, (msg.job_id, msg.local_dir), msg.segment, msg.items, size)
+        """Queue a client's task in the shared scheduler; never blocks (the client waited for the
+        availability the service pushed, so one task per client may overshoot, later ones wait)."""
+        task = _Task(self, client, msg.task_id, (msg.job_id, msg.local_dir), msg.segment, msg.items, msg.size)
         with self.lock:
-            if self.sticky is not None or client.closing or self.stopping:
-                exc = self.sticky if self.sticky is not None else CancelledError("the upload scheduler is closed")
-                fail = True
-            else:
-                fail = False
-                client.tasks[task_id] = task
-                self.in_flight += size
-                became_unavailable = self.available and self.in_flight >= self.config.max_in_flight
-                if became_unavailable:
-                    self.available = False
-                self.queue.append(task)
-                self.queued_bytes += size
-        if fail:
-            client.send(Failed(task_id, exc, None, self._gauges()))
+            refused = client.closing or self.stopping
+            if not refused:
+                client.tasks[task.task_id] = task
+        if refused:
+            client.send(Failed(task.task_id, CancelledError("the upload scheduler is closed"), None, self._gauges()))
             return
-        if became_unavailable:
-            self._broadcast_availability(False)
-        self._flush_if_needed()
-
-    def _flush_if_needed(self) -> None:
-        cfg = self.config
-        with self.lock:
-            if not self.queue:
-                return
-            if cfg.persist_delay_ms == 0 or self.queued_bytes >= cfg.persist_size_threshold:
-                if self.timer is not None:
-                    self.timer.cancel()
-                    self.timer = None
-                drain_now = True
-            else:
-                drain_now = False
-                if self.timer is None:
-                    self.timer = threading.Timer(cfg.persist_delay_ms / 1000.0, self._drain)
-                    self.timer.daemon = True
-                    self.timer.start()
-        if drain_now:
-            self._drain()
-
-    def _drain(self) -> None:
-        with self.lock:
-            tasks, self.queue = self.queue, []
-            self.queued_bytes = 0
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-            for t in tasks:
-                t.state = "flight"
-            sticky = self.sticky
-        if not tasks:
-            return
-        if sticky is not None:
-            self._fail_tasks(tasks, sticky, None)
-            return
-        groups: Dict[tuple, List[_Task]] = {}
-        for t in tasks:  # FIFO inside each group
-            groups.setdefault(t.group, []).append(t)
-        for group_tasks in groups.values():
-            action = _BatchAction(self, group_tasks)
-            try:
-                self.executor.execute(self.policy, action)
-            except BaseException as exc:
-                if not isinstance(exc, OSError):
-                    with self.lock:
-                        self.sticky = self.sticky or exc
-                self._fail_tasks(group_tasks, exc, action.metrics)
+        self.scheduler.upload_nowait(task)  # a sticky error or a closed scheduler fails it at once
 
     # ---- outcomes --------------------------------------------------------------------------
     def _gauges(self) -> tuple:
-        with self.lock:
-            return self.in_flight, len(self.queue), int(self.available)
-
-    def _release(self, size: int) -> None:
-        with self.lock:
-            self.in_flight -= size
-            regained = not self.available and self.in_flight < self.config.max_in_flight
-            if regained:
-                self.available = True
-        if regained:
-            self._broadcast_availability(True)
+        """(in-flight bytes, queued tasks, available) of every client, from the scheduler."""
+        s = self.scheduler
+        return s.in_flight_bytes(), s.queue_size(), int(s.get_availability_provider().is_available())
 
     def _broadcast_availability(self, available: bool) -> None:
-        with self.lock:
-            clients = [c for c in self.clients.values() if c.alive]
-            gauges = (self.in_flight, len(self.queue), int(self.available))
-        for c in clients:
-            c.send(Availability(available, gauges))
+        """The throttle's listener: push every back-pressure change to every welcomed client."""
+        with self._welcome_lock:
+            with self.lock:
+                clients = [c for c in self.clients.values() if c.alive and c.welcomed]
+            gauges = self._gauges()
+            for c in clients:
+                c.send(Availability(available, gauges))
 
     def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
         dead = set()
-        for t, results in zip(action.tasks, res["tasks"]):
-            self._release(t.size)
-            self._finish_task(t)
-            if t.client.alive:
-                t.client.send(Done(t.task_id, res["path"], res["local_path"], res["logical_size"], results,
-                               action.metrics, self._gauges()))
-            else:
-                dead.add(t.client)
-        for c in dead:
+        for a, results in zip(action.admitted, res["tasks"]):
+            client = a.inner.client
+            if not client.alive:
+                dead.add(client)
+            try:
+                a.complete((res, results))  # capacity back to the throttle, then Done to the client
+            except Exception:  # one task's trouble must not keep the rest of the batch waiting
+                log.exception("settling task %s of client %s failed", a.inner.task_id, client.cid)
+        for c in dead:  # the file's start of tracking gave them shares after they were dropped
             if not c.closing:
                 self.registry.submit("drop_client", c.cid, int(time.time() * 1000))
-        self._after_finish(action.tasks)
 
     def batch_failed(self, action: _BatchAction, exc: BaseException) -> None:
-        self._fail_tasks(action.tasks, exc, action.metrics)
+        for a in action.admitted:
+            try:
+                a.fail(exc)
+            except Exception:
+                log.exception("failing task %s of client %s failed", a.inner.task_id, a.inner.client.cid)
 
-    def _fail_tasks(self, tasks: List[_Task], exc: BaseException, metrics: Optional[dict]) -> None:
-        for t in tasks:
-            self._release(t.size)
-            self._finish_task(t)
-            t.client.send(Failed(t.task_id, exc, metrics, self._gauges()))
-        self._after_finish(tasks)
+    def task_done(self, t: _Task, res: dict, results: list) -> None:
+        self._finish_task(t)
+        t.client.send(Done(t.task_id, res["path"], res["local_path"], res["logical_size"], results,
+                           t.action.metrics, self._gauges()))
+        self._after_finish(t.client)
+
+    def task_failed(self, t: _Task, exc: BaseException) -> None:
+        self._finish_task(t)
+        metrics = t.action.metrics if t.action is not None else None
+        t.client.send(Failed(t.task_id, exc, metrics, self._gauges()))
+        self._after_finish(t.client)
 
     def _finish_task(self, t: _Task) -> None:
         with self.lock:
-            t.state = "done"
             t.client.tasks.pop(t.task_id, None)
         if not t.client.alive:
             shm.unlink(t.segment)  # the owner is gone: the service inherits its segments
 
-    def _after_finish(self, tasks: List[_Task]) -> None:
-        for c in {t.client for t in tasks}:
-            with self.lock:
-                idle = not c.tasks
-            if idle and c.closing and c.alive:
-                c.send(Closed())
-            if idle and not c.alive:
-                shm.sweep(c.prefix)
+    def _after_finish(self, c: _Client) -> None:
+        with self.lock:
+            idle = not c.tasks
+        if idle and c.closing and c.alive:
+            c.send(Closed())
+        if idle and not c.alive:
+            shm.sweep(c.prefix)
         self._arm_linger()
 
     def _client_closing(self, client: _Client) -> None:
         with self.lock:
             client.closing = True
-            mine = [t for t in self.queue if t.client is client]
-            self.queue = [t for t in self.queue if t.client is not client]
-            self.queued_bytes -= sum(t.size for t in mine)
-            idle_after = all(t in mine for t in client.tasks.values())
-        for t in mine:
-            self._release(t.size)
-            self._finish_task(t)
-            client.send(Failed(t.task_id, CancelledError("the upload scheduler was closed"), None,
-                         self._gauges()))
-        if idle_after:
+            idle = not client.tasks
+        if idle:
             client.send(Closed())
+            return
+        # its queued tasks fail now; the last of its tasks to settle answers Closed (_after_finish)
+        self.scheduler.cancel(lambda t: t.client is client, CancelledError("the upload scheduler was closed"))
 
     def _client_gone(self, client: _Client) -> None:
         with self.lock:
             client.alive = False
             self.clients.pop(client.cid, None)
-            mine = [t for t in self.queue if t.client is client]
-            self.queue = [t for t in self.queue if t.client is not client]
-            self.queued_bytes -= sum(t.size for t in mine)
-            in_use = {t.segment for t in client.tasks.values() if t.state == "flight"}
-        for t in mine:
-            self._release(t.size)
-            self._finish_task(t)
+        # its queued tasks are dropped (nobody hears of them); their segments are unlinked
+        self.scheduler.cancel(lambda t: t.client is client, CancelledError("the client is gone"))
+        with self.lock:
+            in_use = {t.segment for t in client.tasks.values()}  # in a running attempt
         if not client.closing:
             log.warning("client %s (pid %s) disconnected without closing: reclaiming its memory; its "
                         "unconfirmed files become orphans (deleted after the grace period unless a "
@@ -562,7 +516,7 @@ class UploadService:
                 elif name == "gauges":
                     value = self._gauges()
                 elif name == "flush":
-                    self._drain()
+                    self.scheduler.flush()
                     value = None
                 elif name == "sync":
                     value = self.registry.query("sync", timeout=120)
@@ -591,14 +545,15 @@ class UploadService:
             threading.Thread(target=answer, daemon=True).start()
 
     def status(self) -> dict:
+        in_flight, queued, available = self._gauges()
         with self.lock:
             return {
                 "pid": os.getpid(), "instance": self.instance,
                 "registry_pid": self.registry.pid if self.registry else None,
                 "registry_restarts": self.registry.restarts if self.registry else 0,
                 "uploader_pids": self.pool.pids() if self.pool else [],
-                "clients": sorted(self.clients), "in_flight": self.in_flight, "queued": len(self.queue),
-                "available": self.available,
+                "clients": sorted(self.clients), "in_flight": in_flight, "queued": queued,
+                "available": bool(available), "scheduler": type(self.scheduler).__name__,
             }
 
 
@@ -614,7 +569,7 @@ class _ClientNotices(logging.Handler):
         try:
             text = record.getMessage()
             with self.service.lock:
-                clients = [c for c in self.service.clients.values() if c.alive]
+                clients = [c for c in self.service.clients.values() if c.alive and c.welcomed]
             for c in clients:
                 c.send(Notice(text[:2000]))
         except Exception:  # a log handler must never raise
