@@ -77,3 +77,84 @@ def test_existing_file_is_never_overwritten(tmp_path, registry, monkeypatch):
     with pytest.raises(FileExistsError):
         up.upload([task])
     assert target.read_bytes() == b"someone else's"
+
+
+def _span_sets(tmp_path, sizes):
+    """Change sets whose bodies are byte ranges of one file (as the upload service's segments are):
+    -> (descriptor, [SealedChangeSet], [body bytes])."""
+    from dstl.changelog.upload.uploader import FileSpan
+
+    bodies = [_big_change_set(i, n, 10 + i)[1] for i, n in enumerate(sizes)]
+    seg = tmp_path / "segment"
+    seg.write_bytes(b"junk" + b"".join(bodies) + b"tail")
+    fd = os.open(seg, os.O_RDONLY)
+    sets, at = [], 4
+    for i, b in enumerate(bodies):
+        sets.append(SealedChangeSet(uuid.UUID(int=7), i, FileSpan(fd, at, len(b)), len(b), 1))
+        at += len(b)
+    return fd, sets, bodies
+
+
+@pytest.mark.parametrize("compression", [None, "snappy"])
+@pytest.mark.parametrize("local_copy", [False, True])
+def test_file_span_bodies_give_the_same_files_as_bytes(tmp_path, registry, compression, local_copy):
+    """Raw to local disk they are copied with sendfile(2), otherwise streamed with pread: either way
+    the file is the one the same bodies as bytes give."""
+    fd, sets, bodies = _span_sets(tmp_path, [20_000, 3, 0])
+    try:
+        files = []
+        for name, change_sets in (("spans", sets),
+                                  ("bytes", [SealedChangeSet(cs.log_id, cs.sequence_number, b, cs.size, 1)
+                                             for cs, b in zip(sets, bodies)])):
+            up = StateChangeFsUploader(str(tmp_path / name), JOB, compression, 1 << 20, registry,
+                                       ChangelogStorageMetricGroup(),
+                                       str(tmp_path / f"{name}-local") if local_copy else None)
+            res = up.upload([UploadTask(change_sets, lambda r: None, lambda sqns, e: None)])
+            data = open(res.handle.path, "rb").read()
+            if local_copy:
+                assert open(res.local_handle.path, "rb").read() == data
+            files.append((data, res.handle.state_size, [off for _, off, _ in res.tasks_offsets[0][1]]))
+            res.complete()
+        assert files[0] == files[1]
+        assert bytes(to_logical(files[0][0])) == b"".join(bodies)
+    finally:
+        os.close(fd)
+
+
+def test_a_short_segment_fails_the_attempt_and_leaves_no_file(tmp_path, registry):
+    from dstl.changelog.upload.uploader import FileSpan
+
+    fd, sets, bodies = _span_sets(tmp_path, [1000])
+    try:
+        cs = sets[0]
+        cs.body = FileSpan(fd, cs.body.offset, cs.body.length + 100)  # past the segment's end
+        up = StateChangeFsUploader(str(tmp_path / "out"), JOB, None, 1 << 20, registry, ChangelogStorageMetricGroup())
+        with pytest.raises(EOFError, match="segment ends"):
+            up.upload([UploadTask([cs], lambda r: None, lambda sqns, e: None)])
+        assert os.listdir(tmp_path / "out" / JOB / "dstl") == []
+    finally:
+        os.close(fd)
+
+
+def test_file_span_falls_back_to_read_and_write_where_sendfile_is_refused(tmp_path, monkeypatch):
+    import errno
+
+    from dstl.changelog.upload import uploader as U
+
+    src = tmp_path / "src"
+    src.write_bytes(bytes(range(256)) * 100)
+    calls = []
+
+    def refuse(out_fd, in_fd, offset, count):
+        calls.append(count)
+        raise OSError(errno.EINVAL, "sendfile refused")
+
+    monkeypatch.setattr(U.os, "sendfile", refuse)
+    fd = os.open(src, os.O_RDONLY)
+    out = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        U.FileSpan(fd, 10, 20_000).send_to(out)
+    finally:
+        os.close(fd)
+        os.close(out)
+    assert calls and (tmp_path / "dst").read_bytes() == src.read_bytes()[10:20_010]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import os
 import threading
@@ -10,7 +11,7 @@ import uuid
 from typing import Optional, Sequence
 
 from dstl.changelog import fs as dfs
-from dstl.format import write_file
+from dstl.format import FLAG_RAW, write_file
 from dstl.changelog.handles import StreamStateHandle
 
 from dstl.changelog.upload.task import UploadTask, UploadTasksResult
@@ -46,6 +47,70 @@ class _Tee:
 
     def writable(self) -> bool:
         return True
+
+
+class FileSpan:
+    """A change-set body that is a byte range of an open file (the upload service's shared-memory
+    segment). A raw local file gets it by sendfile(2): a copy inside the kernel, with nothing mapped
+    into the uploader (no page fault per 4 KiB page). Everything else (compression, remote
+    filesystems) streams it in chunks through `write_to`, like any other streaming body."""
+
+    __slots__ = ("fd", "offset", "length")
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.length = fd, offset, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def write_to(self, write, chunk_size: int = 1 << 20) -> int:
+        """Call `write(piece)` with the span's bytes in order (fresh bytes per piece); returns the length."""
+        pos, end = self.offset, self.offset + self.length
+        while pos < end:
+            piece = os.pread(self.fd, min(chunk_size, end - pos), pos)
+            if not piece:
+                raise EOFError(f"the shared-memory segment ends at {pos}, before its change set's end {end}")
+            write(piece)
+            pos += len(piece)
+        return self.length
+
+    def send_to(self, out_fd: int) -> None:
+        """Append the span to `out_fd` (at its file position): sendfile(2), or read + write where the
+        kernel refuses it for these two files."""
+        pos, end = self.offset, self.offset + self.length
+        try:
+            while pos < end:
+                n = os.sendfile(out_fd, self.fd, pos, end - pos)
+                if n == 0:
+                    raise EOFError(f"the shared-memory segment ends at {pos}, before its change set's end {end}")
+                pos += n
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            rest = FileSpan(self.fd, pos, end - pos)
+            rest.write_to(lambda piece: _write_all(out_fd, piece))
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_raw_spans(files, spans) -> tuple:
+    """The file bytes of uncompressed `spans` (flag byte, spans back to back) into each of `files`;
+    returns (logical offset of each span, logical size) as `write_file` does."""
+    offsets, pos = [], 0
+    for span in spans:
+        offsets.append(pos)
+        pos += len(span)
+    for f in files:
+        f.write(bytes([FLAG_RAW]))
+        f.flush()
+        fd = f.fileno()
+        for span in spans:
+            span.send_to(fd)
+    return offsets, pos
 
 
 _PREALLOCATE_MIN = 1 << 20  # smaller files gain nothing from reserving their blocks first
@@ -175,11 +240,20 @@ class StateChangeFsUploader(StateChangeUploader):
         local_path = os.path.join(self._local_dir, name) if self._local_dir else None
         created = []
         size = _file_size(bodies, self.compression)
+        spans_only = (self._local_fs and self.compression is None and bool(bodies)
+                      and all(type(b) is FileSpan for b in bodies))
         try:
             opened = self._create(path, size)
             with opened as out:
                 created.append("remote")
-                if local_path is None:
+                if spans_only:  # the service's segments, raw, to local disk: kernel copies
+                    if local_path is None:
+                        offsets, logical_size = _write_raw_spans([out], bodies)
+                    else:
+                        with self._create_local(local_path, size) as local_out:
+                            created.append("local")
+                            offsets, logical_size = _write_raw_spans([out, local_out], bodies)
+                elif local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)
                 else:
@@ -234,4 +308,4 @@ class StateChangeFsUploader(StateChangeUploader):
         return f"StateChangeFsUploader({self._url(self._dir)!r}, compression={self.compression!r})"
 
 
-__all__ = ["StateChangeUploader", "StateChangeFsUploader"]
+__all__ = ["StateChangeUploader", "StateChangeFsUploader", "FileSpan"]

@@ -4,9 +4,9 @@
 it under the file lock if none runs) and returns `(scheduler, registry)`:
 
 * `ProcessUploadScheduler` (a `StateChangeUploadScheduler`): `upload(task)` waits while the service
-  reports back-pressure, copies the task's sealed bodies once into a new shared-memory segment and
-  sends a descriptor; results and failures come back on a reader thread and are delivered to the
-  task on a callback thread (so a callback that uploads again never blocks the reader).
+  reports back-pressure, copies the task's sealed bodies once into a shared-memory segment (a kept
+  segment of a finished task when one is free: its pages exist already) and sends a descriptor;
+  results and failures come back on a reader thread and are delivered to the task on a callback thread (so a callback that uploads again never blocks the reader).
 * `ServiceRegistryProxy` (the `TaskChangelogRegistry` interface): every call is a message to the
   service's registry process.
 
@@ -46,7 +46,9 @@ START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
 OUTBOX = 2  # tasks waiting for a sender thread (encode + copy into shared memory, descriptor)
 SENDERS = 2  # sender threads: two sealed bodies are encoded and copied at once (both cores)
-FREE_SEGMENTS = 4  # finished tasks' segments kept for reuse (their pages are already allocated)
+FREE_SEGMENTS = 64  # finished tasks' segments kept for reuse: their pages are allocated already, so the
+# copy into them costs about a third of the copy into a fresh segment (page allocation and zeroing)
+FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
 _LAUNCHER = (
     "import subprocess, sys\n"
     "log = open(sys.argv[1], 'ab')\n"
@@ -185,7 +187,11 @@ class ServiceConnection:
             self.availability._set_unavailable()
         self.gauges = (in_flight, 0, int(self.available))
         self._users = 2  # the scheduler and the registry proxy
-        self._free: list = []  # (name, size) of segments of finished tasks, reused LIFO
+        # (name, size, freed at) of finished tasks' segments, at most FREE_SEGMENTS of them and
+        # max_in_flight bytes (what uploads in flight may hold anyway)
+        self._free: list = []
+        self._free_bytes = 0
+        self._free_budget = int(config.max_in_flight)
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
@@ -272,22 +278,23 @@ class ServiceConnection:
         """Copy the bodies into a new segment and send the descriptor."""
         task_id = next(self._ids)
         sets = task.change_sets
-        with self._lock:
-            reused = self._free.pop() if self._free else None
+        bodies = [cs.body for cs in sets]
+        reused = self._take_free(sum(len(b) for b in bodies))
         if reused is not None:
             name = reused[0]
             try:
-                total, spans = shm.create_segment(name, [cs.body for cs in sets], reuse=True)
+                total, spans = shm.create_segment(name, bodies, reuse=True)
+                total = max(total, reused[1])  # a segment never shrinks
             except FileNotFoundError:  # swept meanwhile: make a new one
                 reused = None
         if reused is None:
             name = f"{self.prefix}{task_id}"
-            total, spans = shm.create_segment(name, [cs.body for cs in sets])
-        self.bytes_shared += total
+            total, spans = shm.create_segment(name, bodies)
+        self.bytes_shared += sum(n for _, n in spans)
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]
         with self._lock:
-            self._pending[task_id] = (task, name)
+            self._pending[task_id] = (task, name, total)
         try:
             self.send(Upload(task_id, job_id, local_dir, name, items, task.size))
         except UploadServiceError as exc:
@@ -296,6 +303,42 @@ class ServiceConnection:
             if entry is not None:
                 shm.unlink(name)
                 self._callbacks.put((task.fail, (exc,)))
+
+    def _take_free(self, need: int):
+        """The kept segment that fits `need` bytes best (the smallest big enough, else the largest):
+        (name, size, freed at), or None."""
+        with self._lock:
+            if not self._free:
+                return None
+            fits = [e for e in self._free if e[1] >= need]
+            best = min(fits, key=lambda e: e[1]) if fits else max(self._free, key=lambda e: e[1])
+            self._free.remove(best)
+            self._free_bytes -= best[1]
+            return best
+
+    def _keep_free(self, name: str, size: int) -> bool:
+        """Keep a finished task's segment for reuse if the budget allows (caller holds the lock)."""
+        if (len(self._free) >= FREE_SEGMENTS or self._free_bytes + size > self._free_budget
+                or self.broken is not None or self.closing):
+            return False
+        self._free.append((name, size, time.monotonic()))
+        self._free_bytes += size
+        return True
+
+    def _trim_free(self, now: float) -> None:
+        """Unlink kept segments that were not reused for FREE_IDLE_S."""
+        with self._lock:
+            old = [e for e in self._free if now - e[2] >= FREE_IDLE_S]
+            for e in old:
+                self._free.remove(e)
+                self._free_bytes -= e[1]
+        for e in old:
+            shm.unlink(e[0])
+
+    def _take_all_free(self) -> list:
+        """Every kept segment (caller holds the lock and unlinks them)."""
+        free, self._free, self._free_bytes = self._free, [], 0
+        return free
 
     # ---- receiving -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -331,6 +374,7 @@ class ServiceConnection:
         connection, which fails every pending upload with UploadServiceError."""
         while self.broken is None and not self._closed_event.is_set():
             time.sleep(min(1.0, self.liveness_s / 4))
+            self._trim_free(time.monotonic())
             with self._lock:
                 busy = bool(self._pending)
             if not busy or time.monotonic() - self.last_heard < self.liveness_s:
@@ -359,10 +403,7 @@ class ServiceConnection:
     def _take(self, task_id: int):
         with self._lock:
             entry = self._pending.pop(task_id, None)
-            keep = entry is not None and len(self._free) < FREE_SEGMENTS and self.broken is None \
-                and not self.closing
-            if keep:
-                self._free.append((entry[1], 0))
+            keep = entry is not None and self._keep_free(entry[1], entry[2])
         if entry is not None and not keep:
             shm.unlink(entry[1])  # this client owns its segments (see shm.py)
         return entry
@@ -423,13 +464,13 @@ class ServiceConnection:
             self.broken = exc
             pending, self._pending = self._pending, {}
             calls = list(self._calls.values())
-            free, self._free = self._free, []
+            free = self._take_all_free()
             self._lock.notify_all()
-        for name, _ in free:
+        for name, *_ in free:
             shm.unlink(name)
         log.error("lost the upload service (pid %s): %s", self.service_pid, exc)
         err = self._error()
-        for task, name in pending.values():
+        for task, name, _ in pending.values():
             shm.unlink(name)
             self._callbacks.put((task.fail, (err,)))
         for fut in calls:
@@ -456,10 +497,10 @@ class ServiceConnection:
                 pass
         with self._lock:
             pending, self._pending = self._pending, {}
-            free, self._free = self._free, []
-        for name, _ in free:
+            free = self._take_all_free()
+        for name, *_ in free:
             shm.unlink(name)
-        for task, name in pending.values():
+        for task, name, _ in pending.values():
             shm.unlink(name)
             self._callbacks.put((task.fail, (CancelledError("the upload scheduler was closed"),)))
 
@@ -474,12 +515,12 @@ class ServiceConnection:
     def abandon(self) -> None:
         """Drop the connection without saying close (see `_abandon_all_at_exit`)."""
         with self._lock:
-            free, self._free = self._free, []
+            free = self._take_all_free()
             self.closing = True
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))
-        for name, _ in free:  # segments of tasks in flight are the service's to unlink now
+        for name, *_ in free:  # segments of tasks in flight are the service's to unlink now
             shm.unlink(name)
         _open_connections.discard(self)
 

@@ -90,6 +90,10 @@ def create_segment(name: str, bodies: Sequence, reuse: bool = False) -> Tuple[in
 
 
 _IOV_MAX = 1024
+# pieces a streaming body is written in: each write() gives the GIL up and takes it back, which on a
+# busy writer (its appending thread holds the GIL) waits up to the switch interval (5 ms) each
+# time, so a body is written whole (it is built whole up to 16 MiB anyway) rather than in 1 MiB pieces
+STREAM_PIECE = 16 << 20
 
 
 def _streams(body) -> bool:
@@ -118,7 +122,7 @@ def _write_stream(fd: int, body, length: int, at: int) -> int:
             off += os.pwrite(fd, v[off:], pos + off)
         pos += v.nbytes
 
-    body.write_to(write)
+    body.write_to(write, max(1, min(length, STREAM_PIECE)))
     if pos - at != length:
         raise RuntimeError(f"a sealed body streamed {pos - at} bytes, but its length is {length}")
     return pos
@@ -145,6 +149,12 @@ def _shm_open(name: str, flags: int) -> int:
         return _posixshmem.shm_open("/" + name, flags, mode=0o600)
     except ImportError:  # pragma: no cover - every CPython on Linux has it
         return os.open(os.path.join(SHM_DIR, name), flags, 0o600)
+
+
+def open_readonly(name: str) -> int:
+    """A read-only descriptor of an existing segment (FileNotFoundError if it is gone): the uploader
+    copies from it with sendfile/pread, without mapping it."""
+    return _shm_open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
 
 def attach(name: str) -> SharedMemory:
@@ -205,6 +215,6 @@ def sweep_orphans(alive) -> int:
     return count
 
 
-__all__ = ["create_segment", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
+__all__ = ["create_segment", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
            "segment_prefix", "SHM_DIR"]
 

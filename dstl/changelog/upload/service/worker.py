@@ -1,9 +1,10 @@
 """Uploader pool process: one attempt per job, payload read straight from shared memory.
 
 The attempt itself is C2's `StateChangeFsUploader.upload` (compression, CRCs, exclusive create,
-partial-file cleanup, local-recovery copy); this module only rebuilds the tasks around memoryviews of
-the segments and reports the outcome as plain data. `start_tracking` calls are collected and returned:
-the service applies them in its registry only for the winning attempt.
+partial-file cleanup, local-recovery copy); this module only rebuilds the tasks around byte ranges of
+the segments' descriptors (`FileSpan`: sendfile into a raw local file, streamed in chunks otherwise;
+nothing is mapped) and reports the outcome as plain data. `start_tracking` calls are collected and
+returned: the service applies them in its registry only for the winning attempt.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def run_attempt(job: dict) -> dict:
     from dstl.types import SealedChangeSet
     from dstl.changelog.upload.service import shm
     from dstl.changelog.upload.task import UploadTask
-    from dstl.changelog.upload.uploader import StateChangeFsUploader
+    from dstl.changelog.upload.uploader import FileSpan, StateChangeFsUploader
 
     metrics = _AttemptMetrics()
     registry = _CollectingRegistry()
@@ -99,19 +100,15 @@ def run_attempt(job: dict) -> dict:
         _uploaders[key] = uploader
     uploader.registry = registry
     uploader.metrics = metrics
-    segments = {}
-    views = []
+    segments: Dict[str, int] = {}  # segment name -> read-only descriptor
     tasks = []
     try:
         for _task_key, seg_name, items in job["tasks"]:
-            seg = segments.get(seg_name)
-            if seg is None:
-                seg = segments[seg_name] = shm.attach(seg_name)
-            sets = []
-            for off, length, log_id, sqn, size, num in items:
-                view = seg.buf[off:off + length]
-                views.append(view)
-                sets.append(SealedChangeSet(uuid.UUID(bytes=log_id), sqn, view, size, num))
+            fd = segments.get(seg_name)
+            if fd is None:
+                fd = segments[seg_name] = shm.open_readonly(seg_name)
+            sets = [SealedChangeSet(uuid.UUID(bytes=log_id), sqn, FileSpan(fd, off, length), size, num)
+                    for off, length, log_id, sqn, size, num in items]
             tasks.append(UploadTask(sets, _noop, _noop))
         try:
             # the service chose and announced the name, so a worker killed mid-write leaves no unknown file
@@ -131,14 +128,9 @@ def run_attempt(job: dict) -> dict:
             "tasks": out_tasks,
         }
     finally:
-        for v in views:
-            v.release()
         del tasks
-        for seg in segments.values():
-            try:
-                seg.close()
-            except BufferError:  # a view is still referenced somewhere; the mapping goes with it
-                pass
+        for fd in segments.values():
+            os.close(fd)
 
 
 def _portable(exc: BaseException) -> BaseException:
