@@ -180,6 +180,45 @@ def test_upload_nowait_admits_past_the_limit_and_listeners_hear_each_change(part
     assert isinstance(sink.failures[-1][1], CancelledError) and closed.finished
 
 
+def test_upload_nowait_runs_the_persist_delay_from_the_hand_over(parts):
+    """The service's clients copy a task into shared memory before it arrives: the persist delay
+    runs from when its writer handed it over (`queued_at`), and a task whose successors are on
+    their way (`more`) waits for them, at most the delay from its arrival."""
+    scheduler, _, _, uploader = parts
+    drains = []
+    s = scheduler(delay_ms=400, make_action=lambda tasks: drains.append((time.monotonic(), len(tasks)))
+                  or _BatchUploadAction(uploader, tasks))
+    sink = Sink()
+    # handed over a delay ago (its copy took that long): drained on arrival
+    s.upload_nowait(sink.task(sealed(0, 0, [(0, b"a")])), time.monotonic() - 0.5)
+    assert [n for _, n in drains] == [1] and s.queue_size() == 0
+    # handed over 300 ms ago: drained 100 ms after arrival, not 400
+    t0 = time.monotonic()
+    s.upload_nowait(sink.task(sealed(0, 1, [(0, b"b")])), t0 - 0.3)
+    wait_until(lambda: len(drains) == 2, T, "the second drain")
+    assert 0.05 <= drains[1][0] - t0 < 0.3 and drains[1][1] == 1
+    # a late task with more on their way waits for them; the last one (handed over long ago, as
+    # the first was) drains both at once
+    s.upload_nowait(sink.task(sealed(0, 2, [(0, b"c")])), time.monotonic() - 0.5, more=True)
+    threading.Event().wait(0.1)
+    assert len(drains) == 2 and s.queue_size() == 1
+    s.upload_nowait(sink.task(sealed(0, 3, [(0, b"d")])), time.monotonic() - 0.2)
+    assert len(drains) == 3 and drains[2][1] == 2 and s.queue_size() == 0
+    # more on their way that never come: the delay from arrival ends the wait
+    t1 = time.monotonic()
+    s.upload_nowait(sink.task(sealed(0, 4, [(0, b"e")])), t1 - 0.5, more=True)
+    wait_until(lambda: len(drains) == 4, T, "the fallback drain")
+    assert drains[3][0] - t1 >= 0.35 and drains[3][1] == 1
+    # without `queued_at` (thread mode's `upload`) the delay runs from arrival, as before
+    t2 = time.monotonic()
+    s.upload(sink.task(sealed(0, 5, [(0, b"f")])))
+    s.upload_nowait(sink.task(sealed(0, 6, [(0, b"g")])), time.monotonic())
+    wait_until(lambda: len(drains) == 5, T, "the last drain")
+    assert drains[4][0] - t2 >= 0.35 and drains[4][1] == 2
+    wait_until(lambda: len(sink.results) == 7, T, "every task uploaded")
+    assert not sink.failures
+
+
 def test_listeners_end_on_the_current_state_under_racing_changes():
     th = UploadThrottle(40)
     heard = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import time
 from concurrent.futures import CancelledError
 from typing import Callable, Dict, Hashable, List, Optional
 
@@ -190,6 +191,8 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
         self._queue: List[AdmittedTask] = []
         self._queued_bytes = 0
         self._timer: Optional[threading.Timer] = None
+        self._deadline = 0.0  # time.monotonic() at which the pending timer drains
+        self._first_queued = 0.0  # time.monotonic() the first queued task was queued (or handed over)
         self._closed = False
         self._error: Optional[BaseException] = None  # sticky: set by a non-I/O hand-off failure
         self._close_lock = threading.Lock()
@@ -228,13 +231,20 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
     def upload(self, task: UploadTask) -> None:
         self._admit(task, True)
 
-    def upload_nowait(self, task: UploadTask) -> None:
+    def upload_nowait(self, task: UploadTask, queued_at: Optional[float] = None, more: bool = False) -> None:
         """Like `upload`, but take the capacity at once even past `max_in_flight`, and never raise:
         a closed scheduler fails the task with CancelledError. For a host whose callers wait for
-        availability themselves (one task each may overshoot; later ones wait)."""
-        self._admit(task, False)
+        availability themselves (one task each may overshoot; later ones wait).
 
-    def _admit(self, task: UploadTask, wait: bool) -> None:
+        For a host whose callers prepare a task before it arrives (the upload service's clients copy
+        the bodies into shared memory first): `queued_at` (`time.monotonic()`, same host) is when
+        the caller handed the task over, and the persist delay runs from the first queued task's
+        `queued_at`, as if it had been queued then. `more` says the same caller has handed over
+        more tasks that are on their way: the batch then waits for them (at most the persist delay
+        from now) rather than drain early without them."""
+        self._admit(task, False, queued_at, more)
+
+    def _admit(self, task: UploadTask, wait: bool, queued_at: Optional[float] = None, more: bool = False) -> None:
         if self._error is not None:
             task.fail(self._error)
             return
@@ -253,21 +263,32 @@ class BatchingStateChangeUploadScheduler(StateChangeUploadScheduler):
             return
         admitted = AdmittedTask(task, self._throttle)
         drain_now = False
+        now = time.monotonic()
+        delay_s = self.persist_delay_ms / 1000.0
+        # when the task was queued: handed over (never earlier than the delay ago) or now
+        queued = now if queued_at is None else min(now, max(float(queued_at), now - delay_s))
         with self._lock:
             if self._closed:
                 closed = True
             else:
                 closed = False
+                self._first_queued = queued if not self._queue else min(self._first_queued, queued)
                 self._queue.append(admitted)
                 self._queued_bytes += admitted.size
-                if self.persist_delay_ms == 0 or self._queued_bytes >= self.persist_size_threshold:
+                # the delay runs from the first queued task; later tasks do not extend it
+                deadline = self._first_queued + delay_s
+                if more:  # its successors are on their way: wait for them, but not past a delay from now
+                    deadline = max(deadline, now + delay_s) if self._timer is None else self._deadline
+                if self.persist_delay_ms == 0 or self._queued_bytes >= self.persist_size_threshold or deadline <= now:
                     drain_now = True
                     if self._timer is not None:
                         self._timer.cancel()
                         self._timer = None
-                elif self._timer is None:
-                    # the delay runs from the first queued task; later tasks do not extend it
-                    self._timer = threading.Timer(self.persist_delay_ms / 1000.0, self._drain)
+                elif self._timer is None or deadline < self._deadline:
+                    if self._timer is not None:  # a task handed over earlier brings the drain forward
+                        self._timer.cancel()
+                    self._deadline = deadline
+                    self._timer = threading.Timer(deadline - now, self._drain)
                     self._timer.daemon = True
                     self._timer.start()
         if closed:

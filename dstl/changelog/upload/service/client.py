@@ -195,6 +195,8 @@ class ServiceConnection:
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
+        self._unsent = 0  # tasks handed to `submit` whose descriptor is not sent yet
+        self._order_lock = threading.Lock()  # orders the senders' descriptors (see _submit_now)
         for i in range(SENDERS):
             threading.Thread(target=self._send_loop, name=f"dstl-service-sender-{i}", daemon=True).start()
         self._callbacks: "queue.Queue" = queue.Queue()
@@ -250,7 +252,9 @@ class ServiceConnection:
         """Hand `task` to the sender thread (caller checked state): the copy into shared memory then
         overlaps the writer's next appends, as the upload itself does in thread mode. At most
         OUTBOX tasks wait for it (their bodies are held until copied)."""
-        self._outbox.put((task, job_id, local_dir))
+        with self._lock:
+            self._unsent += 1
+        self._outbox.put((task, job_id, local_dir, time.monotonic()))
 
     def _send_loop(self) -> None:
         while True:
@@ -259,12 +263,17 @@ class ServiceConnection:
                 if item is None:
                     return
                 task = item[0]
+                counted = [False]  # set once _submit_now took the task off `_unsent`
                 try:
                     if self.broken is not None:
                         raise self._error()
-                    self._submit_now(*item)
+                    self._submit_now(*item, counted)
                 except Exception as exc:  # e.g. /dev/shm full: the task fails, nothing is lost silently
                     self._callbacks.put((task.fail, (exc,)))
+                finally:
+                    if not counted[0]:
+                        with self._lock:
+                            self._unsent -= 1
             finally:
                 self._outbox.task_done()
 
@@ -274,8 +283,14 @@ class ServiceConnection:
         while self._outbox.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.001)
 
-    def _submit_now(self, task, job_id: str, local_dir: Optional[str]) -> None:
-        """Copy the bodies into a new segment and send the descriptor."""
+    def _submit_now(self, task, job_id: str, local_dir: Optional[str], queued_at: float, counted: list) -> None:
+        """Copy the bodies into a new segment and send the descriptor.
+
+        The descriptor carries `queued_at`, when the writer handed the task over: the service's
+        persist delay runs from there, as in thread mode, so the copy does not add to a persist's
+        wait. Its `more` says other tasks handed over are still being copied: the batch waits for
+        them rather than drain early without them. `counted[0]` is set once the task is off
+        `_unsent` (the sender loop counts it off otherwise)."""
         task_id = next(self._ids)
         sets = task.change_sets
         bodies = [cs.body for cs in sets]
@@ -293,16 +308,25 @@ class ServiceConnection:
         self.bytes_shared += sum(n for _, n in spans)
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]
-        with self._lock:
-            self._pending[task_id] = (task, name, total)
-        try:
-            self.send(Upload(task_id, job_id, local_dir, name, items, task.size))
-        except UploadServiceError as exc:
+        # counted down and sent in one step: the last task counted down is the last one sent, and
+        # the service knows nothing more is coming once it has arrived
+        with self._order_lock:
+            with self._lock:
+                self._pending[task_id] = (task, name, total)
+                self._unsent -= 1
+                counted[0] = True
+                more = self._unsent > 0
+            failed: Optional[UploadServiceError] = None
+            try:
+                self.send(Upload(task_id, job_id, local_dir, name, items, task.size, queued_at, more))
+            except UploadServiceError as exc:
+                failed = exc
+        if failed is not None:
             with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
                 entry = self._pending.pop(task_id, None)
             if entry is not None:
                 shm.unlink(name)
-                self._callbacks.put((task.fail, (exc,)))
+                self._callbacks.put((task.fail, (failed,)))
 
     def _take_free(self, need: int):
         """The kept segment that fits `need` bytes best (the smallest big enough, else the largest):

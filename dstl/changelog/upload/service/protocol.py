@@ -28,13 +28,17 @@ class Hello(NamedTuple):
 
 class Upload(NamedTuple):
     """One upload task: its sealed bodies are in shared-memory segment `segment`; `items` lists
-    (offset, length, log id bytes, sqn, size, number of changes) per change set."""
+    (offset, length, log id bytes, sqn, size, number of changes) per change set. `queued_at` is
+    the client's `time.monotonic()` when its writer handed the task over (the persist delay runs
+    from there); `more`: the client has more tasks on their way (the batch waits for them)."""
     task_id: int
     job_id: str
     local_dir: Optional[str]
     segment: str
     items: List[tuple]
     size: int
+    queued_at: Optional[float] = None
+    more: bool = False
 
 
 class Release(NamedTuple):

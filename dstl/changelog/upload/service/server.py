@@ -401,7 +401,9 @@ class UploadService:
         if refused:
             client.send(Failed(task.task_id, CancelledError("the upload scheduler is closed"), None, self._gauges()))
             return
-        self.scheduler.upload_nowait(task)  # a sticky error or a closed scheduler fails it at once
+        # a sticky error or a closed scheduler fails it at once; the persist delay runs from when the
+        # client's writer handed it over (its copy into shared memory does not add to the wait)
+        self.scheduler.upload_nowait(task, msg.queued_at, msg.more)
 
     # ---- outcomes --------------------------------------------------------------------------
     def _gauges(self) -> tuple:
