@@ -76,12 +76,11 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     maxp = max_parallelism or compute_default_max_parallelism(parallelism)
     if not isinstance(parallelism, int) or not 1 <= parallelism <= maxp:
         raise ValueError(f"parallelism must be in 1..{maxp} (max parallelism), got {parallelism!r}")
-    from fsspec.core import url_to_fs
-
+    from dstl.changelog.fs import root_of
     from dstl.spark.coordinator import JOB_FILE
 
-    bfs, broot = url_to_fs(base_path)
-    if list_checkpoints(base_path) or bfs.exists(f"{broot.rstrip('/')}/{JOB_FILE}"):
+    bfs, broot = root_of(base_path)
+    if list_checkpoints(base_path) or bfs.exists(f"{broot}/{JOB_FILE}"):
         raise JobConflictError(f"{base_path} already holds a job; bootstrap writes a new job's first checkpoint")
     job_id = uuid.uuid4().hex
     operator_id = operator_id or BOOTSTRAP_OPERATOR

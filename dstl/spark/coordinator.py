@@ -86,9 +86,9 @@ class CheckpointStats:
 
 
 def _fs(url: str):
-    import fsspec
+    from dstl.changelog.fs import filesystem
 
-    return fsspec.core.url_to_fs(url)
+    return filesystem(url)
 
 
 def _ls(fs, path: str, detail: bool = False):

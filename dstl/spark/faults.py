@@ -112,9 +112,9 @@ def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = No
 
 def _claim(marker: str) -> bool:
     """Create `marker` (any fsspec URL); False if it already existed."""
-    import fsspec
+    from dstl.changelog.fs import filesystem
 
-    fs, path = fsspec.core.url_to_fs(marker)
+    fs, path = filesystem(marker)
     if fs.exists(path):
         return False
     parent = path.rsplit("/", 1)[0]

@@ -280,9 +280,10 @@ def _state_size(snapshot) -> int:
 # ------------------------------------------------------------------ the task
 
 def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_schema) -> Tuple[Optional[str], int]:
-    import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from dstl.changelog.fs import filesystem
 
     if out is None or len(out) == 0:
         return None, 0
@@ -293,7 +294,7 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
         raise ValueError(f"fn's output lacks the schema's columns {missing}")
     table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
     path = f"{plan.staging_dir()}/part-{subtask:05d}-{token}.parquet"
-    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs, fs_path = filesystem(path)
     fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(fs_path, "wb") as f:
         pq.write_table(table, f)

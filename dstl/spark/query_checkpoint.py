@@ -24,10 +24,9 @@ __all__ = ["rewind_query_checkpoint"]
 
 
 def _fs(url: str):
-    from fsspec.core import url_to_fs
+    from dstl.changelog.fs import root_of
 
-    fs, root = url_to_fs(url)
-    return fs, root.rstrip("/") or "/"
+    return root_of(url)
 
 
 def _entries(fs, d: str) -> Dict[int, List[str]]:

@@ -40,10 +40,9 @@ class RollbackResult:
 
 
 def _fs(url: str):
-    from fsspec.core import url_to_fs
+    from dstl.changelog.fs import root_of
 
-    fs, root = url_to_fs(url)
-    return fs, root.rstrip("/") or "/"
+    return root_of(url)
 
 
 def _mv(fs, src: str, dst: str) -> None:

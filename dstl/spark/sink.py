@@ -20,9 +20,9 @@ SINK_DIR = "_dstl_sink"
 
 
 def _fs(url: str):
-    import fsspec
+    from dstl.changelog.fs import filesystem
 
-    return fsspec.core.url_to_fs(url)
+    return filesystem(url)
 
 
 def _marker(base_path: str, batch: int) -> str:

@@ -191,13 +191,12 @@ class StatefulStream:
         the next one (docs/streaming.md, "Rolling back, bootstrapping, rescaling offline")."""
         if self.coordinator is not None:
             return self.coordinator
-        import fsspec
-
+        from dstl.changelog.fs import filesystem
         from dstl.keygroups import compute_default_max_parallelism
         from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, JobConflictError, JobSpec
         from dstl.spark.sink import OUTPUT_LAYOUT
 
-        fs, root = fsspec.core.url_to_fs(self.base_path)
+        fs, root = filesystem(self.base_path)
         exists = fs.exists(f"{root}/{JOB_FILE}")
         if self.resume_from is not None and not exists:
             raise JobConflictError(f"resume_from={self.resume_from}: there is no job to roll back at "
@@ -397,9 +396,9 @@ class StatefulStream:
         spark = self._spark_of(df)[0] if df is not None else None
         called = False
         committed = coord.batch_output_dir(batch_id)
-        import fsspec
+        from dstl.changelog.fs import filesystem
 
-        fs, path = fsspec.core.url_to_fs(committed)
+        fs, path = filesystem(committed)
         if fs.exists(f"{path}/_SUCCESS") and spark is not None:
             called = self._deliver(spark, batch_id, latest.checkpoint_id)
         log.info("batch %d is already in checkpoint %s: replay changes no state", batch_id,
