@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pandas as pd
 import pytest
@@ -24,6 +21,7 @@ pytest.importorskip("pyspark")
 from pyspark import cloudpickle  # noqa: E402
 
 from conftest import expected_implementation  # noqa: E402
+from driver_util import run_driver  # noqa: E402
 
 import expiry_driver  # noqa: E402
 from expiry_driver import batch_time, batches, expected, make_stream  # noqa: E402
@@ -32,8 +30,6 @@ cloudpickle.register_pickle_by_value(expiry_driver)
 
 pytestmark = pytest.mark.spark
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def _check(spark, base, frames):
@@ -100,36 +96,6 @@ def test_crashes_rescales_and_ttl_then_read_state_equals_pandas(spark, tmp_path)
     _check(spark, base, frames)
 
 
-def _run_driver(args, faults_spec, timeout=600):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_IP="127.0.0.1")
-    env.pop("DSTL_FAULTS", None)
-    if faults_spec:
-        env["DSTL_FAULTS"] = faults_spec
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "expiry_driver.py"), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        _reap_group(proc.pid)
-    return proc.returncode, out.decode(errors="replace")
-
-
-def _reap_group(pgid: int) -> None:
-    """The driver's JVM exits when its Python parent dies; wait for the group, then SIGKILL it by id."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 @pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
 def test_sigkilled_driver_rescaled_then_read_state_and_timers_equal_pandas(spark, tmp_path):
     from dstl.state.rescale import rescale_checkpoint
@@ -138,13 +104,13 @@ def test_sigkilled_driver_rescaled_then_read_state_and_timers_equal_pandas(spark
     frames = batches()
     expiry_driver.write_inputs(inputs, frames)
     # 1: SIGKILL after batch 2's checkpoint is durable, before its output commit
-    rc, out = _run_driver([base, inputs, ckpt, "2"], "stream.after_checkpoint@2=kill")
+    rc, out = run_driver("expiry_driver.py", [base, inputs, ckpt, "2"], "stream.after_checkpoint@2=kill")
     assert rc == -signal.SIGKILL, out[-3000:]
     # 2: restart at parallelism 3; Spark replays batch 2; SIGKILL after batch 4's sink returned
-    rc, out = _run_driver([base, inputs, ckpt, "3"], "stream.after_sink@4=kill")
+    rc, out = run_driver("expiry_driver.py", [base, inputs, ckpt, "3"], "stream.after_sink@4=kill")
     assert rc == -signal.SIGKILL, out[-3000:]
     # 3: offline max-parallelism change, then restart at parallelism 1 and finish
     rescale_checkpoint(base, 256, parallelism=2)
-    rc, out = _run_driver([base, inputs, ckpt, "1"], None)
+    rc, out = run_driver("expiry_driver.py", [base, inputs, ckpt, "1"], None)
     assert rc == 0, out[-3000:]
     _check(spark, base, frames)

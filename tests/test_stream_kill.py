@@ -8,50 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pandas as pd
 import pytest
 
 from conftest import expected_implementation
+from driver_util import run_driver
 
 pytestmark = pytest.mark.skipif(expected_implementation() == "python",
                                 reason="heavy: runs once, under the Cython build")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-
-def _run_driver(args, faults_spec, timeout=600):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_IP="127.0.0.1")
-    env.pop("DSTL_FAULTS", None)
-    if faults_spec:
-        env["DSTL_FAULTS"] = faults_spec
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_driver.py"), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        _reap_group(proc.pid)
-    return proc.returncode, out.decode(errors="replace")
-
-
-def _reap_group(pgid: int) -> None:
-    """The driver's JVM exits when its Python parent dies (stdin closes); wait for it, then make sure."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _write_inputs(input_dir, n_files=4, rows=30, users=7):
@@ -76,13 +42,13 @@ def test_sigkill_driver_after_checkpoint_and_after_sink_then_rescale(tmp_path):
     files = _write_inputs(inputs)
 
     # 1: killed after batch 1's checkpoint is durable, before its output commit and sink
-    rc, out = _run_driver([base, inputs, ckpt, "2", sink_log], "stream.after_checkpoint@1=kill")
+    rc, out = run_driver("stream_driver.py", [base, inputs, ckpt, "2", sink_log], "stream.after_checkpoint@1=kill")
     assert rc == -signal.SIGKILL, out[-3000:]
     # 2: restart at parallelism 3; Spark replays batch 1; killed after batch 2's sink returned
-    rc, out = _run_driver([base, inputs, ckpt, "3", sink_log], "stream.after_sink@2=kill")
+    rc, out = run_driver("stream_driver.py", [base, inputs, ckpt, "3", sink_log], "stream.after_sink@2=kill")
     assert rc == -signal.SIGKILL, out[-3000:]
     # 3: restart at parallelism 1; Spark replays batch 2 (no state change, no second sink call)
-    rc, out = _run_driver([base, inputs, ckpt, "1", sink_log], None)
+    rc, out = run_driver("stream_driver.py", [base, inputs, ckpt, "1", sink_log], None)
     assert rc == 0, out[-3000:]
 
     with open(sink_log) as fh:

@@ -148,10 +148,10 @@ def _run_child(args: List[str], faults_spec: Optional[str], log_path: str) -> in
         try:
             return proc.wait()
         finally:
-            _reap_group(proc.pid)
+            reap_group(proc.pid)
 
 
-def _reap_group(pgid: int) -> None:
+def reap_group(pgid: int) -> None:
     """A killed driver's JVM exits once its Python parent is gone; wait for it, then make sure."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
