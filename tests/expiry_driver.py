@@ -128,19 +128,10 @@ def make_stream(base: str, parallelism: int, **kw):
 def main(argv) -> int:
     base, input_dir, ckpt, parallelism = argv
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
+    from streaming_util import drain_file_stream, driver_session
 
-    spark = (SparkSession.builder.master("local[2]").appName("dstl-expiry-driver")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    stream = make_stream(base, int(parallelism))
-    events = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(input_dir)
-    query = (events.writeStream.foreachBatch(stream).option("checkpointLocation", ckpt)
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
-    stream.close()
-    spark.stop()
+    spark = driver_session("dstl-expiry-driver")
+    drain_file_stream(spark, make_stream(base, int(parallelism)), INPUT_SCHEMA, input_dir, ckpt)
     return 0
 
 

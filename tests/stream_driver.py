@@ -47,14 +47,10 @@ class Counting(StatefulProcessor):
 def main(argv) -> int:
     base, input_dir, ckpt, parallelism, sink_log = argv
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
     from dstl.spark import StatefulStream
+    from streaming_util import drain_file_stream, driver_session
 
-    spark = (SparkSession.builder.master("local[2]").appName("dstl-stream-driver")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark = driver_session("dstl-stream-driver")
 
     def sink(df, batch_id):
         n = df.count()
@@ -62,12 +58,7 @@ def main(argv) -> int:
             f.write(f"{batch_id} {n}\n")
 
     stream = StatefulStream(base, Counting(), OUT, key="user", parallelism=int(parallelism), sink=sink)
-    events = spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(input_dir)
-    query = (events.writeStream.foreachBatch(stream).option("checkpointLocation", ckpt)
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
-    stream.close()
-    spark.stop()
+    drain_file_stream(spark, stream, INPUT_SCHEMA, input_dir, ckpt)
     return 0
 
 

@@ -153,6 +153,27 @@ def run_dstl(spark, source: str, processor, output_schema: str, base_path: str, 
     return read_output(os.path.join(base_path, "output"))
 
 
+def driver_session(app_name: str):
+    """The local[2] session a killed-and-restarted driver script opens (loopback only, quiet)."""
+    from pyspark.sql import SparkSession
+
+    return (SparkSession.builder.master("local[2]").appName(app_name)
+            .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+
+
+def drain_file_stream(spark, stream, input_schema: str, input_dir: str, checkpoint: str) -> None:
+    """Feed every JSON file of `input_dir` (one per trigger) to `foreachBatch(stream)` until none is
+    left, then close the stream and stop Spark."""
+    events = spark.readStream.schema(input_schema).option("maxFilesPerTrigger", 1).json(input_dir)
+    query = (events.writeStream.foreachBatch(stream).option("checkpointLocation", checkpoint)
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    stream.close()
+    spark.stop()
+
+
 def read_output(path: str) -> pd.DataFrame:
     """The default sink's parquet (`batch_id=N/part-*.parquet`) as pandas, batch_id an int column."""
     if not os.path.isdir(path):
