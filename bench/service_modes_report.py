@@ -11,8 +11,8 @@ thread, ...) so that background load hits both alike; medians of --repeat runs. 
 
 "where the time goes" (append_many, the run with the median wall time): the appending thread's time (encoding into the change
 buffer, handing pre-emptive uploads over), the tail from persist() to the future's result, and in
-process mode the CPU-side work of the pipeline's two stages: the client's sender threads (encode the
-sealed bodies + the one copy into shared memory) and the uploader processes (the file write, from
+process mode the CPU-side work of the pipeline's two stages: the client's sender threads (build the
+sealed bodies into mapped shared memory: their one copy) and the uploader processes (the file write, from
 the attempts' own latencies). Stages overlap each other and the appends, so they do not add up to
 the wall time; on 2 cores their sum against 2 x wall says how busy the machine was.
 
@@ -42,13 +42,13 @@ class _Stages:
         self.copy_s = 0.0
         self.upload_s = 0.0
         self._batches: set = set()
-        real_create, real_done = shm.create_segment, client.ServiceConnection._on_done
+        real_write, real_done = shm.Segment.write, client.ServiceConnection._on_done
         stages = self
 
-        def create_segment(*a, **k):
+        def write(*a, **k):
             t = time.perf_counter()
             try:
-                return real_create(*a, **k)
+                return real_write(*a, **k)
             finally:
                 stages.copy_s += time.perf_counter() - t
 
@@ -59,7 +59,7 @@ class _Stages:
                 stages.upload_s += sum(m.get("latencies", ())) / 1e9
             return real_done(conn, msg)
 
-        shm.create_segment = create_segment
+        shm.Segment.write = write
         client.ServiceConnection._on_done = on_done
 
     def reset(self) -> None:
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         wall, appends, tail, copy_s, upload_s = (x * 1000 for x in runs[(len(runs) - 1) // 2])
         line = f"  {mode:8} wall {wall:5.0f} = appends {appends:5.0f} + persist tail {tail:5.0f}"
         if mode == "process":
-            line += (f"; stages (overlapping): sender encode + copy into shared memory {copy_s:.0f}, "
+            line += (f"; stages (overlapping): senders building bodies into shared memory {copy_s:.0f}, "
                      f"uploaders' file writes {upload_s:.0f}")
         print(line)
     print(f"process mode cold start (open on a fresh base path until the new service runs uploads): "

@@ -28,10 +28,19 @@ class TimerHandle:
 
     def cancel(self) -> bool:
         """True if this call cancelled it (it had neither run nor been cancelled)."""
+        return self._cancel() is not False
+
+    def _cancel(self):
+        """Cancel; the `on_cancel` callback (or None), or False if it ran or was cancelled already.
+
+        The callbacks are dropped at once: a cancelled timer stays in the heap until its deadline, and
+        must not keep what they reference alive that long (an attempt timeout's upload, with its bodies)."""
         if self.cancelled or self.fn is None:
             return False
         self.cancelled = True
-        return True
+        on_cancel = self.on_cancel
+        self.fn = self.on_cancel = None
+        return on_cancel
 
 
 class TimerThread:
@@ -89,13 +98,9 @@ class TimerThread:
     def cancel_pending(self, predicate: Callable[[TimerHandle], bool]) -> int:
         """Cancel pending timers matching `predicate`, running their `on_cancel` here; returns how many."""
         with self._cond:  # under the lock, so a timer cannot both run and be cancelled
-            chosen = [h for _, _, h in self._heap if predicate(h) and h.cancel()]
-        for handle in chosen:
-            if handle.on_cancel is not None:
-                try:
-                    handle.on_cancel()
-                except BaseException:
-                    log.exception("timer cancel callback failed")
+            chosen = [h._cancel() for _, _, h in self._heap if not h.cancelled and predicate(h)]
+        chosen = [c for c in chosen if c is not False]
+        _run_cancelled(chosen)
         return len(chosen)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -104,15 +109,19 @@ class TimerThread:
             if self._stopped:
                 return
             self._stopped = True
-            pending = [h for _, _, h in self._heap if h.cancel()]
+            pending = [h._cancel() for _, _, h in self._heap]
             self._heap.clear()
             self._cond.notify_all()
             thread = self._thread
-        for handle in pending:
-            if handle.on_cancel is not None:
-                try:
-                    handle.on_cancel()
-                except BaseException:
-                    log.exception("timer cancel callback failed")
+        _run_cancelled(pending)
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+def _run_cancelled(callbacks) -> None:
+    for on_cancel in callbacks:
+        if on_cancel:  # None: no on_cancel; False: it had run or was cancelled already
+            try:
+                on_cancel()
+            except BaseException:
+                log.exception("timer cancel callback failed")

@@ -206,6 +206,50 @@ def test_seal_into_errors_keep_the_changes(impl):
 
 
 @impl_params
+@pytest.mark.parametrize("built", [False, True])
+def test_sealed_body_write_into_gives_the_sealed_bytes_at_any_position(impl, built):
+    """write_into builds the body in place (a mapped segment in process mode); before and after the
+    body was built as bytes (tobytes), it writes the same canonical bytes."""
+    buf = impl.ChangeBuffer()
+    rng = random.Random(5)
+    for i in range(3000):
+        buf.append(rng.randrange(-1, 200), bytes([i % 251]) * rng.randrange(0, 40))
+    body = buf.seal_body()
+    if built:
+        body.tobytes()
+    out = bytearray(b"\xee" * (len(body) + 20))
+    assert body.write_into(out, 7) == len(body)
+    assert out[:7] == b"\xee" * 7 and out[7 + len(body):] == b"\xee" * 13
+    assert bytes(out[7:7 + len(body)]) == body.tobytes()
+    shm = shared_memory.SharedMemory(create=True, size=len(body))
+    try:
+        assert body.write_into(shm.buf) == len(body)
+        assert bytes(shm.buf[:len(body)]) == body.tobytes()
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+@impl_params
+def test_sealed_body_write_into_errors(impl):
+    buf = impl.ChangeBuffer()
+    buf.append(1, b"abc")
+    body = buf.seal_body()
+    with pytest.raises(ValueError, match="do not fit"):
+        body.write_into(bytearray(len(body) - 1))
+    with pytest.raises(ValueError, match="do not fit"):
+        body.write_into(bytearray(100), -1)
+    with pytest.raises(ValueError, match="do not fit"):
+        body.write_into(bytearray(100), 100 - len(body) + 1)
+    with pytest.raises(TypeError, match="writable"):
+        body.write_into(b"\x00" * 100)
+    with pytest.raises(TypeError, match="writable"):
+        body.write_into(12)
+    out = bytearray(len(body))
+    assert body.write_into(out) == len(body) and _decode(bytes(out)) == [StateChange(1, b"abc")]
+
+
+@impl_params
 def test_clear(impl):
     buf = impl.ChangeBuffer()
     buf.append_many([1, 2], b"abcd", [0, 2, 4])

@@ -134,6 +134,24 @@ def test_first_attempt_succeeds(executor, hists):
     assert hists[0].values() == [1] and hists[1].values() == [1]
 
 
+def test_a_finished_action_is_not_kept_alive_until_its_attempt_timeout(executor):
+    """The attempt's timeout timer is cancelled when the attempt ends; the timer heap must then drop
+    the action (in thread mode it holds the uploaded bodies: megabytes per batch, for upload.timeout)."""
+    import gc
+    import weakref
+
+    a = FakeAction(ok("r"))
+    gone = weakref.ref(a)
+    executor.execute(RetryPolicy.fixed(3, 60_000, 10), a)
+    a.wait_settled()
+    del a
+    deadline = time.monotonic() + WAIT
+    while gone() is not None and time.monotonic() < deadline:  # the worker thread lets go of it
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None
+
+
 def test_io_failures_are_retried_after_the_delay(executor, hists):
     a = FakeAction(fail(), fail(), ok("third"))
     executor.execute(RetryPolicy.fixed(3, 0, 80), a)

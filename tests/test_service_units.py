@@ -75,27 +75,90 @@ def test_pending_deletions_survive_in_the_journal(tmp_path):
     assert Journal(str(tmp_path)).load().pending_delete == {"x"}  # deletion not confirmed: redo it
 
 
-def test_segments_round_trip_reuse_and_sweep():
+def _read_segment(name: str, n: int) -> bytes:
+    fd = shm.open_readonly(name)
+    try:
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
+
+
+class _Streamed:
+    """A body that only streams itself (no write_into), in small pieces."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def write_to(self, write, chunk_size: int) -> int:
+        for i in range(0, len(self.data), 3):
+            write(self.data[i:i + 3])
+        return len(self.data)
+
+
+def test_segments_take_every_kind_of_body_reuse_grow_and_sweep():
+    from dstl._fast import _buffer_py
+    from dstl.format import ChangeBuffer
+
     prefix = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t1")
     name = prefix + "1"
+    buf = ChangeBuffer()
+    buf.append(3, b"sealed")
+    sealed = buf.seal_body()
+    bodies = [b"abc", memoryview(b"defgh"), bytearray(b""), sealed, _buffer_py.SealedBody(b"twin"),
+              _Streamed(b"0123456789")]
+    expected = b"abcdefgh" + sealed.tobytes() + b"twin0123456789"
+    seg = shm.Segment(name, 1)
     try:
-        total, spans = shm.create_segment(name, [b"abc", memoryview(b"defgh"), bytearray(b"")])
-        assert total == 8 and spans == [(0, 3), (3, 5), (8, 0)]
-        seg = shm.attach(name)
-        assert bytes(seg.buf[:8]) == b"abcdefgh"
-        seg.close()
+        assert seg.size == 64 << 10  # made in 64 KiB steps
+        used, spans = seg.write(bodies)
+        assert used == len(expected)
+        assert spans[:3] == [(0, 3), (3, 5), (8, 0)] and spans[-1] == (len(expected) - 10, 10)
+        assert _read_segment(name, used) == expected
         with pytest.raises(FileExistsError):
-            shm.create_segment(name, [b"x"])
-        total, spans = shm.create_segment(name, [b"XY"], reuse=True)
-        seg = shm.attach(name)
-        assert bytes(seg.buf[:2]) == b"XY"
-        seg.close()
+            shm.Segment(name, 1)
+        assert seg.write([b"XY"]) == (2, [(0, 2)])  # reused: overwritten in place
+        assert _read_segment(name, 2) == b"XY"
+        big = os.urandom((1 << 20) + 5)
+        assert seg.write([big]) == (len(big), [(0, len(big))])  # grown, under the same name
+        assert seg.size == 2 << 20 and _read_segment(name, len(big)) == big
         assert shm.list_segments(prefix) == [name]
         assert shm.parse_name(name) == (os.getpid(), os.getpid())
-    finally:
         assert shm.sweep(prefix) == 1
+        with pytest.raises(FileNotFoundError):  # swept: a kept mapping must not be written unseen
+            seg.write([b"x"])
+        other = shm.Segment(name, 1)  # the name made anew by someone else is not this segment
+        with pytest.raises(FileNotFoundError):
+            seg.write([b"x"])
+        other.unlink()
+    finally:
+        seg.close()
+        shm.sweep(prefix)
     assert shm.list_segments(prefix) == []
     assert shm.unlink(name) is False
+
+
+def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_segment(monkeypatch):
+    """Pages are reserved with fallocate before the segment is mapped: no SIGBUS on a page later."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    prefix = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t9")
+    with pytest.raises(OSError, match=r"shared memory \(/dev/shm\) is full: cannot hold 65536 bytes"):
+        shm.Segment(prefix + "1", 10)
+    assert shm.list_segments(prefix) == []
+
+
+def test_segment_sizes_step_so_that_similar_bodies_share_segments():
+    assert shm.segment_size(1) == 64 << 10
+    assert shm.segment_size((64 << 10) + 1) == 128 << 10
+    assert shm.segment_size((1 << 20) - 1) == 1 << 20
+    assert shm.segment_size((5 << 20) + 1) == 6 << 20
 
 
 def test_orphan_sweep_only_takes_segments_whose_processes_are_gone():
@@ -105,8 +168,8 @@ def test_orphan_sweep_only_takes_segments_whose_processes_are_gone():
     mine = shm.segment_prefix(f"{os.getpid()}xunit", dead_pid, "t2") + "1"
     orphan = shm.segment_prefix(f"{dead_pid}xunit", dead_pid, "t3") + "1"
     try:
-        shm.create_segment(mine, [b"1"])
-        shm.create_segment(orphan, [b"2"])
+        shm.Segment(mine, 1).close()
+        shm.Segment(orphan, 1).close()
         assert shm.sweep_orphans(pid_alive) >= 1
         assert shm.list_segments(orphan) == [] and shm.list_segments(mine) == [mine]
     finally:
@@ -116,7 +179,9 @@ def test_orphan_sweep_only_takes_segments_whose_processes_are_gone():
 
 def test_attaching_in_another_process_leaves_no_tracker_warnings():
     name = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t4") + "1"
-    shm.create_segment(name, [b"hello"])
+    seg = shm.Segment(name, 5)
+    seg.write([b"hello"])
+    seg.close()
     code = ("import sys; from dstl.changelog.upload.service import shm; s = shm.attach(sys.argv[1]); "
             "print(bytes(s.buf[:5]).decode()); s.close()")
     try:
@@ -285,7 +350,7 @@ def test_orphan_grace_comes_from_the_environment():
             orphan_grace_ms({"DSTL_ORPHAN_GRACE_MS": bad})
 
 
-def test_sealed_bodies_stream_into_the_segment_between_plain_buffers():
+def test_sealed_bodies_are_built_into_the_segment_between_plain_buffers():
     from dstl.format import ChangeBuffer
 
     bodies, expected = [], []
@@ -301,7 +366,9 @@ def test_sealed_bodies_stream_into_the_segment_between_plain_buffers():
     prefix = shm.segment_prefix(f"{os.getpid()}xstream", os.getpid(), "t1")
     name = prefix + "1"
     try:
-        total, spans = shm.create_segment(name, bodies)
+        seg = shm.Segment(name, 1)
+        total, spans = seg.write(bodies)  # grows from 64 KiB to hold them
+        seg.close()
         assert [n for _, n in spans] == [len(e) for e in expected] and total == sum(map(len, expected))
         seg = shm.attach(name)
         assert [bytes(seg.buf[o:o + n]) for o, n in spans] == expected
@@ -317,9 +384,9 @@ def test_sealed_bodies_stream_into_the_segment_between_plain_buffers():
             write(memoryview(b"short"))
             return 5
 
+    seg = shm.Segment(name, 10)
     try:
         with pytest.raises(RuntimeError, match="streamed 5 bytes, but its length is 10"):
-            shm.create_segment(name, [Liar()])
-        assert shm.list_segments(prefix) == []  # removed on failure
+            seg.write([Liar()])
     finally:
-        shm.sweep(prefix)
+        assert seg.unlink()

@@ -98,8 +98,8 @@ def _span_sets(tmp_path, sizes):
 @pytest.mark.parametrize("compression", [None, "snappy"])
 @pytest.mark.parametrize("local_copy", [False, True])
 def test_file_span_bodies_give_the_same_files_as_bytes(tmp_path, registry, compression, local_copy):
-    """Raw to local disk they are copied with sendfile(2), otherwise streamed with pread: either way
-    the file is the one the same bodies as bytes give."""
+    """Raw to local disk they are copied piecewise through one buffer, otherwise streamed with pread:
+    either way the file is the one the same bodies as bytes give."""
     fd, sets, bodies = _span_sets(tmp_path, [20_000, 3, 0])
     try:
         files = []
@@ -136,25 +136,26 @@ def test_a_short_segment_fails_the_attempt_and_leaves_no_file(tmp_path, registry
         os.close(fd)
 
 
-def test_file_span_falls_back_to_read_and_write_where_sendfile_is_refused(tmp_path, monkeypatch):
-    import errno
-
+@pytest.mark.parametrize("offset,length", [(10, 20_000), (0, 3 * 1024 + 5), (7, 0)])
+def test_file_span_send_to_copies_exactly_across_pieces_and_reuses_its_buffer(tmp_path, monkeypatch, offset,
+                                                                              length):
+    """send_to copies through one reused piece buffer (smaller here than the span, so several pieces),
+    appending at the output's position."""
     from dstl.changelog.upload import uploader as U
 
+    monkeypatch.setattr(U, "SEND_PIECE", 1024)
+    monkeypatch.setattr(U, "_pieces", [])
     src = tmp_path / "src"
     src.write_bytes(bytes(range(256)) * 100)
-    calls = []
-
-    def refuse(out_fd, in_fd, offset, count):
-        calls.append(count)
-        raise OSError(errno.EINVAL, "sendfile refused")
-
-    monkeypatch.setattr(U.os, "sendfile", refuse)
     fd = os.open(src, os.O_RDONLY)
     out = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
     try:
-        U.FileSpan(fd, 10, 20_000).send_to(out)
+        os.write(out, b"head")
+        U.FileSpan(fd, offset, length).send_to(out)
+        U.FileSpan(fd, 0, 1).send_to(out)
     finally:
         os.close(fd)
         os.close(out)
-    assert calls and (tmp_path / "dst").read_bytes() == src.read_bytes()[10:20_010]
+    data = src.read_bytes()
+    assert (tmp_path / "dst").read_bytes() == b"head" + data[offset:offset + length] + data[:1]
+    assert len(U._pieces) == 1 and len(U._pieces[0]) == 1024  # one buffer, given back after each copy

@@ -801,6 +801,29 @@ cdef class SealedBody:
         _give_whole(whole)
         return self.total
 
+    def write_into(self, out, pos=0):
+        """Write the whole body into the writable buffer `out` at `pos` in one pass (no intermediate
+        buffer: into a mapped shared-memory segment, it is the body's only copy); returns its length."""
+        cdef Py_buffer view
+        cdef int64_t start
+        try:
+            PyObject_GetBuffer(out, &view, PyBUF_WRITABLE)
+        except (TypeError, BufferError, ValueError):
+            writable_view(out)  # raises the twin's TypeError
+            raise TypeError(f"out must be a writable contiguous buffer, got {type(out).__name__}")
+        try:
+            start = pos.__index__()
+            if start < 0 or start + self.total > view.len:
+                raise ValueError(f"write_into: {self.total} bytes do not fit at position {start} of a "
+                                 f"{view.len}-byte buffer")
+            if self._bytes is not None:
+                memcpy((<unsigned char*>view.buf) + start, PyBytes_AS_STRING(self._bytes), self.total)
+            else:
+                self._scatter((<unsigned char*>view.buf) + start)
+        finally:
+            PyBuffer_Release(&view)
+        return self.total
+
     def tobytes(self):
         """The whole body as bytes (built once and kept)."""
         cdef Cursor c
@@ -907,3 +930,4 @@ cdef class WriterCore:
         if n == 0:
             return None
         return buf.seal_body(), size, n
+

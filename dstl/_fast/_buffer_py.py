@@ -160,6 +160,16 @@ class SealedBody(bytes):
             write(view[pos:pos + chunk_size])
         return len(self)
 
+    def write_into(self, out, pos: int = 0) -> int:
+        """Write the whole body into the writable buffer `out` at `pos`; returns its length."""
+        mv = writable_view(out)
+        pos = pos.__index__()
+        if pos < 0 or pos + len(self) > mv.nbytes:
+            raise ValueError(f"write_into: {len(self)} bytes do not fit at position {pos} of a "
+                             f"{mv.nbytes}-byte buffer")
+        mv[pos:pos + len(self)] = self
+        return len(self)
+
     def tobytes(self) -> bytes:
         return bytes(self)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import abc
-import errno
 import logging
 import os
 import threading
@@ -51,9 +50,9 @@ class _Tee:
 
 class FileSpan:
     """A change-set body that is a byte range of an open file (the upload service's shared-memory
-    segment). A raw local file gets it by sendfile(2): a copy inside the kernel, with nothing mapped
-    into the uploader (no page fault per 4 KiB page). Everything else (compression, remote
-    filesystems) streams it in chunks through `write_to`, like any other streaming body."""
+    segment), read with pread: nothing is mapped into the uploader. A raw local file gets it through
+    `send_to`; everything else (compression, remote filesystems) streams it through `write_to`, like
+    any other streaming body."""
 
     __slots__ = ("fd", "offset", "length")
 
@@ -75,20 +74,26 @@ class FileSpan:
         return self.length
 
     def send_to(self, out_fd: int) -> None:
-        """Append the span to `out_fd` (at its file position): sendfile(2), or read + write where the
-        kernel refuses it for these two files."""
-        pos, end = self.offset, self.offset + self.length
+        """Append the span to `out_fd` (at its file position), a piece at a time through one reused
+        buffer the size of the L2 cache: both copies stay in the cache. That is about twice as fast as
+        sendfile(2) from tmpfs into ext4, which moves 16 pages per splice (docs/service.md)."""
+        buf = _pieces.pop() if _pieces else bytearray(SEND_PIECE)
+        view = memoryview(buf)
         try:
+            pos, end = self.offset, self.offset + self.length
             while pos < end:
-                n = os.sendfile(out_fd, self.fd, pos, end - pos)
+                n = os.preadv(self.fd, [view[:min(SEND_PIECE, end - pos)]], pos)
                 if n == 0:
                     raise EOFError(f"the shared-memory segment ends at {pos}, before its change set's end {end}")
+                _write_all(out_fd, view[:n])
                 pos += n
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-                raise
-            rest = FileSpan(self.fd, pos, end - pos)
-            rest.write_to(lambda piece: _write_all(out_fd, piece))
+        finally:
+            view.release()
+            _pieces.append(buf)
+
+
+SEND_PIECE = 1 << 20
+_pieces: list = []  # reused FileSpan.send_to buffers (one per concurrent copy; touched once)
 
 
 def _write_all(fd: int, data) -> None:

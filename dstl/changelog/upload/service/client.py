@@ -4,8 +4,8 @@
 it under the file lock if none runs) and returns `(scheduler, registry)`:
 
 * `ProcessUploadScheduler` (a `StateChangeUploadScheduler`): `upload(task)` waits while the service
-  reports back-pressure, copies the task's sealed bodies once into a shared-memory segment (a kept
-  segment of a finished task when one is free: its pages exist already) and sends a descriptor;
+  reports back-pressure, builds the task's sealed bodies straight into a mapped shared-memory segment
+  (a kept segment of a finished task when one is free: its pages are mapped already) and sends a descriptor;
   results and failures come back on a reader thread and are delivered to the task on a callback thread (so a callback that uploads again never blocks the reader).
 * `ServiceRegistryProxy` (the `TaskChangelogRegistry` interface): every call is a message to the
   service's registry process.
@@ -46,8 +46,8 @@ START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
 OUTBOX = 2  # tasks waiting for a sender thread (encode + copy into shared memory, descriptor)
 SENDERS = 2  # sender threads: two sealed bodies are encoded and copied at once (both cores)
-FREE_SEGMENTS = 64  # finished tasks' segments kept for reuse: their pages are allocated already, so the
-# copy into them costs about a third of the copy into a fresh segment (page allocation and zeroing)
+FREE_SEGMENTS = 64  # finished tasks' segments kept (mapped) for reuse: their pages are allocated and mapped
+# already, so building a body into one is a plain memcpy (a fresh one costs page allocation and zeroing)
 FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
 _LAUNCHER = (
     "import subprocess, sys\n"
@@ -174,7 +174,7 @@ class ServiceConnection:
         self.prefix = shm.segment_prefix(self.instance, os.getpid(), self.cid)
         self._send_lock = threading.Lock()
         self._lock = threading.Condition()
-        self._pending: Dict[int, Tuple[object, str]] = {}
+        self._pending: Dict[int, Tuple[object, shm.Segment]] = {}
         self._calls: Dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._seen_batches: Dict[int, None] = {}
@@ -187,7 +187,7 @@ class ServiceConnection:
             self.availability._set_unavailable()
         self.gauges = (in_flight, 0, int(self.available))
         self._users = 2  # the scheduler and the registry proxy
-        # (name, size, freed at) of finished tasks' segments, at most FREE_SEGMENTS of them and
+        # (Segment, freed at) of finished tasks' segments, at most FREE_SEGMENTS of them and
         # max_in_flight bytes (what uploads in flight may hold anyway)
         self._free: list = []
         self._free_bytes = 0
@@ -284,7 +284,7 @@ class ServiceConnection:
             time.sleep(0.001)
 
     def _submit_now(self, task, job_id: str, local_dir: Optional[str], queued_at: float, counted: list) -> None:
-        """Copy the bodies into a new segment and send the descriptor.
+        """Build the bodies into a kept or new segment and send the descriptor.
 
         The descriptor carries `queued_at`, when the writer handed the task over: the service's
         persist delay runs from there, as in thread mode, so the copy does not add to a persist's
@@ -294,17 +294,24 @@ class ServiceConnection:
         task_id = next(self._ids)
         sets = task.change_sets
         bodies = [cs.body for cs in sets]
-        reused = self._take_free(sum(len(b) for b in bodies))
-        if reused is not None:
-            name = reused[0]
+        need = sum(len(b) for b in bodies)
+        seg = self._take_free(need)
+        if seg is not None:
             try:
-                total, spans = shm.create_segment(name, bodies, reuse=True)
-                total = max(total, reused[1])  # a segment never shrinks
+                _, spans = seg.write(bodies)
             except FileNotFoundError:  # swept meanwhile: make a new one
-                reused = None
-        if reused is None:
-            name = f"{self.prefix}{task_id}"
-            total, spans = shm.create_segment(name, bodies)
+                seg.close()
+                seg = None
+            except BaseException:
+                seg.unlink()
+                raise
+        if seg is None:
+            seg = shm.Segment(f"{self.prefix}{task_id}", need)
+            try:
+                _, spans = seg.write(bodies)
+            except BaseException:
+                seg.unlink()
+                raise
         self.bytes_shared += sum(n for _, n in spans)
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]
@@ -312,56 +319,57 @@ class ServiceConnection:
         # the service knows nothing more is coming once it has arrived
         with self._order_lock:
             with self._lock:
-                self._pending[task_id] = (task, name, total)
+                self._pending[task_id] = (task, seg)
                 self._unsent -= 1
                 counted[0] = True
                 more = self._unsent > 0
             failed: Optional[UploadServiceError] = None
             try:
-                self.send(Upload(task_id, job_id, local_dir, name, items, task.size, queued_at, more))
+                self.send(Upload(task_id, job_id, local_dir, seg.name, items, task.size, queued_at, more))
             except UploadServiceError as exc:
                 failed = exc
         if failed is not None:
             with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
                 entry = self._pending.pop(task_id, None)
             if entry is not None:
-                shm.unlink(name)
+                seg.unlink()
                 self._callbacks.put((task.fail, (failed,)))
 
-    def _take_free(self, need: int):
-        """The kept segment that fits `need` bytes best (the smallest big enough, else the largest):
-        (name, size, freed at), or None."""
+    def _take_free(self, need: int) -> Optional[shm.Segment]:
+        """The kept segment that fits `need` bytes best (the smallest big enough, else the largest,
+        which then grows), or None."""
         with self._lock:
             if not self._free:
                 return None
-            fits = [e for e in self._free if e[1] >= need]
-            best = min(fits, key=lambda e: e[1]) if fits else max(self._free, key=lambda e: e[1])
+            fits = [e for e in self._free if e[0].size >= need]
+            best = (min(fits, key=lambda e: e[0].size) if fits
+                    else max(self._free, key=lambda e: e[0].size))
             self._free.remove(best)
-            self._free_bytes -= best[1]
-            return best
+            self._free_bytes -= best[0].size
+            return best[0]
 
-    def _keep_free(self, name: str, size: int) -> bool:
+    def _keep_free(self, seg: shm.Segment) -> bool:
         """Keep a finished task's segment for reuse if the budget allows (caller holds the lock)."""
-        if (len(self._free) >= FREE_SEGMENTS or self._free_bytes + size > self._free_budget
+        if (len(self._free) >= FREE_SEGMENTS or self._free_bytes + seg.size > self._free_budget
                 or self.broken is not None or self.closing):
             return False
-        self._free.append((name, size, time.monotonic()))
-        self._free_bytes += size
+        self._free.append((seg, time.monotonic()))
+        self._free_bytes += seg.size
         return True
 
     def _trim_free(self, now: float) -> None:
         """Unlink kept segments that were not reused for FREE_IDLE_S."""
         with self._lock:
-            old = [e for e in self._free if now - e[2] >= FREE_IDLE_S]
+            old = [e for e in self._free if now - e[1] >= FREE_IDLE_S]
             for e in old:
                 self._free.remove(e)
-                self._free_bytes -= e[1]
-        for e in old:
-            shm.unlink(e[0])
+                self._free_bytes -= e[0].size
+        for seg, _ in old:
+            seg.unlink()
 
     def _take_all_free(self) -> list:
         """Every kept segment (caller holds the lock and unlinks them)."""
-        free, self._free, self._free_bytes = self._free, [], 0
+        free, self._free, self._free_bytes = [e[0] for e in self._free], [], 0
         return free
 
     # ---- receiving -------------------------------------------------------------------------
@@ -427,9 +435,9 @@ class ServiceConnection:
     def _take(self, task_id: int):
         with self._lock:
             entry = self._pending.pop(task_id, None)
-            keep = entry is not None and self._keep_free(entry[1], entry[2])
+            keep = entry is not None and self._keep_free(entry[1])
         if entry is not None and not keep:
-            shm.unlink(entry[1])  # this client owns its segments (see shm.py)
+            entry[1].unlink()  # this client owns its segments (see shm.py)
         return entry
 
     def _on_done(self, msg: Done) -> None:
@@ -490,12 +498,12 @@ class ServiceConnection:
             calls = list(self._calls.values())
             free = self._take_all_free()
             self._lock.notify_all()
-        for name, *_ in free:
-            shm.unlink(name)
+        for seg in free:
+            seg.unlink()
         log.error("lost the upload service (pid %s): %s", self.service_pid, exc)
         err = self._error()
-        for task, name, _ in pending.values():
-            shm.unlink(name)
+        for task, seg in pending.values():
+            seg.unlink()
             self._callbacks.put((task.fail, (err,)))
         for fut in calls:
             if not fut.done():
@@ -522,10 +530,10 @@ class ServiceConnection:
         with self._lock:
             pending, self._pending = self._pending, {}
             free = self._take_all_free()
-        for name, *_ in free:
-            shm.unlink(name)
-        for task, name, _ in pending.values():
-            shm.unlink(name)
+        for seg in free:
+            seg.unlink()
+        for task, seg in pending.values():
+            seg.unlink()
             self._callbacks.put((task.fail, (CancelledError("the upload scheduler was closed"),)))
 
     def release_user(self) -> None:
@@ -544,8 +552,8 @@ class ServiceConnection:
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))
-        for name, *_ in free:  # segments of tasks in flight are the service's to unlink now
-            shm.unlink(name)
+        for seg in free:  # segments of tasks in flight are the service's to unlink now
+            seg.unlink()
         _open_connections.discard(self)
 
     def shutdown(self) -> None:

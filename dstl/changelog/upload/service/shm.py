@@ -3,8 +3,9 @@
 Naming: `dstl_<service pid>_<instance>_<client pid>_<client>_<n>`, so the owner of every segment can
 be found from its name alone (by the service when a client dies, by a later service when both died).
 
-Creation uses the same POSIX shm_open as multiprocessing.shared_memory (readers attach with
-`SharedMemory(name)`), but writes the payload with one pwritev() instead of through a mapping.
+Creation uses the same POSIX shm_open as multiprocessing.shared_memory (readers may attach with
+`SharedMemory(name)`; the uploader reads with pread). The client keeps each segment mapped and builds
+the bodies straight into the mapping (`Segment`): the sealed body's one copy.
 
 Ownership: the client that creates a segment owns it and unlinks it when its task finishes (done,
 failed, cancelled) or when it closes. If the client dies, the service unlinks what the client left
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -39,107 +41,122 @@ def _forget(shm: SharedMemory) -> None:
         pass
 
 
-def create_segment(name: str, bodies: Sequence, reuse: bool = False) -> Tuple[int, List[Tuple[int, int]]]:
-    """Create segment `name` holding `bodies` back to back; return (total size, [(offset, length)]).
-    With `reuse`, `name` exists already (a segment of an earlier, finished task) and is overwritten:
-    its pages are already allocated, which makes the copy several times cheaper.
+class Segment:
+    """A client's segment, mapped for as long as the client keeps it.
 
-    The bodies are written with writev() on the segment's descriptor rather than through a mapping:
-    the one copy then costs what a page-cache write costs (no page-fault per 4 KiB page), and a full
-    /dev/shm is a clean ENOSPC OSError here instead of a SIGBUS on a mapped page later.
+    Bodies are written into the mapping directly (`SealedBody.write_into` builds a body there: its
+    one copy, with no intermediate buffer), and a reused segment's pages and page-table entries exist
+    already, so writing it again costs a plain memcpy. The pages are allocated with fallocate before
+    they are mapped: a full /dev/shm is then a clean ENOSPC OSError here, never a SIGBUS on a page.
     """
-    items = []  # (memoryview or streaming body, length)
-    for b in bodies:
-        if _streams(b):
-            items.append((b, len(b)))
-        else:
-            v = b if isinstance(b, memoryview) else memoryview(b)
-            v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
-            items.append((v, v.nbytes))
-    spans = []
-    pos = 0
-    for _, n in items:
-        spans.append((pos, n))
-        pos += n
-    fd = _shm_open(name, os.O_RDWR if reuse else os.O_CREAT | os.O_EXCL | os.O_RDWR)
-    try:
+
+    __slots__ = ("name", "size", "_map", "_ino")
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = 0
+        self._map: Optional[mmap.mmap] = None
+        self._ino = -1
+        self._resize(segment_size(size), os.O_CREAT | os.O_EXCL | os.O_RDWR)
+
+    def _resize(self, size: int, flags: int) -> None:
+        fd = _shm_open(self.name, flags)
         try:
-            if pos == 0:
-                os.ftruncate(fd, 1)  # a zero-size segment cannot be mapped by the reader
-            at = 0
-            views: List[memoryview] = []
-            for obj, n in items:
-                if isinstance(obj, memoryview):
-                    views.append(obj)
-                    continue
-                at = _write_views(fd, views, at)
-                views = []
-                at = _write_stream(fd, obj, n, at)
-            _write_views(fd, views, at)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise OSError(exc.errno, f"shared memory ({SHM_DIR}) is full: cannot hold {pos} bytes "
-                                         "of change sets for the upload service") from exc
+            try:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise OSError(exc.errno, f"shared memory ({SHM_DIR}) is full: cannot hold {size} bytes "
+                                             "of change sets for the upload service") from exc
+                raise
+            self.close()
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            self.size = size
+            self._ino = os.fstat(fd).st_ino
+        except BaseException:
+            if flags & os.O_CREAT:
+                os.close(fd)
+                fd = -1
+                unlink(self.name)
             raise
-    except BaseException:
-        os.close(fd)
-        unlink(name)
-        raise
-    os.close(fd)
-    return max(pos, 1), spans
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def write(self, bodies: Sequence) -> Tuple[int, List[Tuple[int, int]]]:
+        """Write `bodies` back to back from offset 0 (growing the segment if they do not fit); return
+        (the bytes used, [(offset, length)]). FileNotFoundError if the segment had to grow but its
+        name is gone (swept)."""
+        lengths = [len(b) if _streams(b) or hasattr(b, "write_into") else _flat(b).nbytes for b in bodies]
+        need = max(1, sum(lengths))
+        if os.stat(os.path.join(SHM_DIR, self.name)).st_ino != self._ino:  # swept (and made anew)
+            raise FileNotFoundError(errno.ENOENT, "shared memory segment is gone", self.name)
+        if need > self.size:
+            self._resize(segment_size(need), os.O_RDWR)
+        m = self._map
+        spans = []
+        pos = 0
+        for b, n in zip(bodies, lengths):
+            if hasattr(b, "write_into"):
+                b.write_into(m, pos)
+            elif _streams(b):
+                at = pos
+
+                def put(piece, m=m) -> None:
+                    nonlocal at
+                    v = _flat(piece)
+                    m[at:at + v.nbytes] = v
+                    at += v.nbytes
+
+                b.write_to(put, max(1, min(n, STREAM_PIECE)))
+                if at - pos != n:
+                    raise RuntimeError(f"a sealed body streamed {at - pos} bytes, but its length is {n}")
+            else:
+                m[pos:pos + n] = _flat(b)
+            spans.append((pos, n))
+            pos += n
+        return need, spans
+
+    def close(self) -> None:
+        """Drop the mapping (the segment stays until unlinked)."""
+        m, self._map = self._map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a view is still exported: the mapping goes with its last view
+                pass
+
+    def unlink(self) -> bool:
+        self.close()
+        return unlink(self.name)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, size={self.size})"
 
 
-_IOV_MAX = 1024
-# pieces a streaming body is written in: each write() gives the GIL up and takes it back, which on a
-# busy writer (its appending thread holds the GIL) waits up to the switch interval (5 ms) each
-# time, so a body is written whole (it is built whole up to 16 MiB anyway) rather than in 1 MiB pieces
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # page-table entries filled at map time, not per page fault
+
+
+def segment_size(need: int) -> int:
+    """Sizes segments are made in: 64 KiB steps below 1 MiB, 1 MiB steps above, so that bodies of
+    similar size share kept segments and a segment rarely has to grow."""
+    step = 64 << 10 if need < (1 << 20) else 1 << 20
+    return max(step, (need + step - 1) // step * step)
+
+
+def _flat(b) -> memoryview:
+    v = b if isinstance(b, memoryview) else memoryview(b)
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+# pieces a streaming body without `write_into` is copied in (each piece is one memcpy into the mapping)
 STREAM_PIECE = 16 << 20
 
 
 def _streams(body) -> bool:
-    """A body that produces its bytes while it is written (the Cython `SealedBody`): streamed into the
-    segment piece by piece, so the writer never builds the whole body (its only copy is this one)."""
+    """A body that produces its bytes while it is written (`write_to`): copied piece by piece."""
     return not isinstance(body, (bytes, bytearray, memoryview)) and hasattr(body, "write_to")
-
-
-def _write_views(fd: int, views: List[memoryview], at: int) -> int:
-    total = sum(v.nbytes for v in views)
-    done = 0
-    while done < total:  # writev may write less than asked (large totals, signals)
-        done += os.pwritev(fd, _rest(views, done), at + done)
-    return at + total
-
-
-def _write_stream(fd: int, body, length: int, at: int) -> int:
-    pos = at
-
-    def write(piece) -> None:
-        nonlocal pos
-        v = piece if isinstance(piece, memoryview) else memoryview(piece)
-        v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
-        off = 0
-        while off < v.nbytes:
-            off += os.pwrite(fd, v[off:], pos + off)
-        pos += v.nbytes
-
-    body.write_to(write, max(1, min(length, STREAM_PIECE)))
-    if pos - at != length:
-        raise RuntimeError(f"a sealed body streamed {pos - at} bytes, but its length is {length}")
-    return pos
-
-
-def _rest(views, skip: int):
-    """The views after the first `skip` bytes, at most IOV_MAX of them."""
-    out = []
-    for v in views:
-        if skip >= v.nbytes:
-            skip -= v.nbytes
-            continue
-        out.append(v[skip:] if skip else v)
-        skip = 0
-        if len(out) == _IOV_MAX:
-            break
-    return out
 
 
 def _shm_open(name: str, flags: int) -> int:
@@ -215,6 +232,6 @@ def sweep_orphans(alive) -> int:
     return count
 
 
-__all__ = ["create_segment", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
+__all__ = ["Segment", "segment_size", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
            "segment_prefix", "SHM_DIR"]
 
