@@ -75,6 +75,18 @@ def write_per_record(storage, log_name: str, w: Workload, checkpoint_id: int) ->
     return elapsed, handle.job_manager_owned_snapshot
 
 
+def write_plain(directory: str, name: str, w: Workload) -> float:
+    """The floor of every write path: the payload, already one buffer, in one write() to a new local
+    file (open, write, close; no fsync, as neither side syncs). -> seconds."""
+    path = os.path.join(directory, name)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(w.data)
+    elapsed = time.perf_counter() - t0
+    os.remove(path)
+    return elapsed
+
+
 def read_arrays(storage, handle) -> Tuple[float, int]:
     """Every change set as arrays through get_changes_arrays. -> (seconds, changes)."""
     reader = storage.create_reader()

@@ -49,6 +49,7 @@ PATHS = [
     ("dstl_write_vectorised_process", "dstl", "write", "append_many + persist, upload.mode=process (default)"),
     ("dstl_write_vectorised_thread", "dstl", "write", "append_many + persist, upload.mode=thread"),
     ("dstl_write_per_record", "dstl", "write", "writer.append(kg, data) per change + persist (default mode)"),
+    ("plain_write", "floor", "write", "the payload as one buffer, one open().write() to a new file"),
     ("flink_read", "Flink", "read", "for c : reader.getChanges(handle)"),
     ("dstl_read_arrays", "dstl", "read", "reader.get_changes_arrays(handle)"),
     ("dstl_read_objects", "dstl", "read", "for c in reader.get_changes(handle)"),
@@ -151,6 +152,8 @@ def run_rounds(args, jdk) -> dict:
                 os.sync()
                 times[key], handles[key] = fn(storage, f"{key}-{rnd}", workload, cp)
                 shapes[key] = ds.handle_shape(handles[key])
+            os.sync()
+            times["plain_write"] = ds.write_plain(root, f"plain-{rnd}", workload)
             readable = handles["dstl_write_vectorised_process"]
             for key, fn in (("dstl_read_arrays", ds.read_arrays), ("dstl_read_objects", ds.read_objects)):
                 times[key], count = fn(default, readable)
@@ -249,7 +252,7 @@ def write_chart(result: dict, path: str) -> None:
     for ax, kind in zip(axes, ("write", "read")):
         rows = [(key, system, label) for key, system, k, label in PATHS if k == kind][::-1]
         values = [result["paths"][key]["median_mb_per_s"] for key, _, _ in rows]
-        colors = ["#9e9e9e" if system == "Flink" else "#1f77b4" for _, system, _ in rows]
+        colors = [{"Flink": "#9e9e9e", "floor": "#d9d9d9"}.get(system, "#1f77b4") for _, system, _ in rows]
         # whiskers: the slowest and the fastest round
         mb = result["workload"]["payload_mb"]
         lows = [v - mb / max(result["paths"][key]["seconds"]) for (key, _, _), v in zip(rows, values)]
