@@ -170,7 +170,7 @@ def _shm_open(name: str, flags: int) -> int:
 
 def open_readonly(name: str) -> int:
     """A read-only descriptor of an existing segment (FileNotFoundError if it is gone): the uploader
-    copies from it with sendfile/pread, without mapping it."""
+    copies from it with pread, without mapping it."""
     return _shm_open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
 
