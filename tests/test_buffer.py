@@ -187,18 +187,22 @@ def test_seal_into_writes_into_shared_memory(impl):
         shm.unlink()
 
 
+def _rejects_bad_outputs(write_into, need: int) -> None:
+    """`write_into(out[, pos])` refuses a short buffer, a position outside it, and read-only or
+    non-buffer outputs."""
+    for args in ((bytearray(need - 1),), (bytearray(100), -1), (bytearray(100), 100 - need + 1)):
+        with pytest.raises(ValueError, match="do not fit"):
+            write_into(*args)
+    for out in (b"\x00" * 100, 12):
+        with pytest.raises(TypeError, match="writable"):
+            write_into(out)
+
+
 @impl_params
 def test_seal_into_errors_keep_the_changes(impl):
     buf = impl.ChangeBuffer()
     buf.append(1, b"abc")
-    with pytest.raises(ValueError, match="do not fit"):
-        buf.seal_into(bytearray(10))
-    with pytest.raises(ValueError, match="do not fit"):
-        buf.seal_into(bytearray(100), -1)
-    with pytest.raises(TypeError, match="writable"):
-        buf.seal_into(b"\x00" * 100)
-    with pytest.raises(TypeError, match="writable"):
-        buf.seal_into(12)
+    _rejects_bad_outputs(buf.seal_into, buf.encoded_size)
     assert len(buf) == 1
     out = bytearray(buf.encoded_size)
     assert buf.seal_into(out) == len(out)
@@ -235,16 +239,7 @@ def test_sealed_body_write_into_errors(impl):
     buf = impl.ChangeBuffer()
     buf.append(1, b"abc")
     body = buf.seal_body()
-    with pytest.raises(ValueError, match="do not fit"):
-        body.write_into(bytearray(len(body) - 1))
-    with pytest.raises(ValueError, match="do not fit"):
-        body.write_into(bytearray(100), -1)
-    with pytest.raises(ValueError, match="do not fit"):
-        body.write_into(bytearray(100), 100 - len(body) + 1)
-    with pytest.raises(TypeError, match="writable"):
-        body.write_into(b"\x00" * 100)
-    with pytest.raises(TypeError, match="writable"):
-        body.write_into(12)
+    _rejects_bad_outputs(body.write_into, len(body))
     out = bytearray(len(body))
     assert body.write_into(out) == len(body) and _decode(bytes(out)) == [StateChange(1, b"abc")]
 
