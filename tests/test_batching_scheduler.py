@@ -21,25 +21,36 @@ from writer_modes import read_all, wait_until
 T = 20
 
 
-@pytest.fixture
-def parts(tmp_path):
+def scheduler_parts(tmp_path, default_delay_ms: int):
+    """(scheduler factory, metrics, files(), uploader) over one local uploader; closes what it made."""
     registry = TaskChangelogRegistry()
     metrics = ChangelogStorageMetricGroup()
     uploader = StateChangeFsUploader(str(tmp_path), JOB, None, 1 << 16, registry, metrics)
     made = []
 
-    def scheduler(delay_ms=10, threshold=1 << 20, max_in_flight=1 << 24, policy=None, executor=None):
+    def scheduler(delay_ms=default_delay_ms, threshold=1 << 20, max_in_flight=1 << 24, policy=None, executor=None,
+                  **hooks):
         ex = executor or RetryingExecutor(2, metrics.attempts_per_upload, metrics.total_attempts_per_upload)
         s = BatchingStateChangeUploadScheduler(delay_ms, threshold, max_in_flight, policy or RetryPolicy.none(),
-                                               uploader, ex, metrics)
+                                               uploader, ex, metrics, **hooks)
         made.append(s)
         return s
 
-    files = lambda: sorted(os.listdir(tmp_path / JOB / "dstl")) if (tmp_path / JOB / "dstl").exists() else []  # noqa: E731
-    yield scheduler, metrics, files
+    def files():
+        d = tmp_path / JOB / "dstl"
+        return sorted(os.listdir(d)) if d.exists() else []
+
+    yield scheduler, metrics, files, uploader
     for s in made:
         s.close()
     registry.close()
+
+
+@pytest.fixture
+def parts(tmp_path):
+    made = scheduler_parts(tmp_path, 10)
+    yield next(made)[:3]
+    next(made, None)  # closes the schedulers and the registry
 
 
 def test_writers_of_one_storage_share_one_file_with_their_own_offsets(tmp_path):

@@ -12,14 +12,11 @@ from multiprocessing import Pipe
 
 import pytest
 
-from dstl.changelog.registry import TaskChangelogRegistry
-from dstl.changelog.upload.retry import RetryingExecutor, RetryPolicy
 from dstl.changelog.upload.scheduler import (AdmittedTask, BatchingStateChangeUploadScheduler,
                                              _BatchUploadAction)
 from dstl.changelog.upload.throttle import UploadThrottle
-from dstl.changelog.upload.uploader import StateChangeFsUploader
-from dstl.metrics import ChangelogStorageMetricGroup
-from test_uploader import JOB, Sink, sealed
+from test_batching_scheduler import scheduler_parts
+from test_uploader import Sink, sealed
 from writer_modes import wait_until
 
 T = 20
@@ -27,26 +24,7 @@ T = 20
 
 @pytest.fixture
 def parts(tmp_path):
-    registry = TaskChangelogRegistry()
-    metrics = ChangelogStorageMetricGroup()
-    uploader = StateChangeFsUploader(str(tmp_path), JOB, None, 1 << 16, registry, metrics)
-    made = []
-
-    def scheduler(delay_ms=60_000, threshold=1 << 20, max_in_flight=1 << 24, **hooks):
-        ex = RetryingExecutor(2, metrics.attempts_per_upload, metrics.total_attempts_per_upload)
-        s = BatchingStateChangeUploadScheduler(delay_ms, threshold, max_in_flight, RetryPolicy.none(),
-                                               uploader, ex, metrics, **hooks)
-        made.append(s)
-        return s
-
-    def files():
-        d = tmp_path / JOB / "dstl"
-        return sorted(os.listdir(d)) if d.exists() else []
-
-    yield scheduler, metrics, files, uploader
-    for s in made:
-        s.close()
-    registry.close()
+    yield from scheduler_parts(tmp_path, 60_000)
 
 
 class _GatedAction:
