@@ -44,8 +44,8 @@ log = logging.getLogger("dstl.changelog.upload.service.client")
 
 START_TIMEOUT_S = 60.0
 LIVENESS_S = 5.0  # silence (with uploads pending) after which the service is pinged, and the ping's timeout
-OUTBOX = 2  # tasks waiting for a sender thread (encode + copy into shared memory, descriptor)
-SENDERS = 2  # sender threads: two sealed bodies are encoded and copied at once (both cores)
+OUTBOX = 2  # tasks waiting for a sender thread (build into shared memory, descriptor)
+SENDERS = 2  # sender threads: two sealed bodies are built into shared memory at once (both cores)
 FREE_SEGMENTS = 64  # finished tasks' segments kept (mapped) for reuse: their pages are allocated and mapped
 # already, so building a body into one is a plain memcpy (a fresh one costs page allocation and zeroing)
 FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
