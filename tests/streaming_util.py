@@ -166,10 +166,9 @@ def driver_session(app_name: str):
 def drain_file_stream(spark, stream, input_schema: str, input_dir: str, checkpoint: str) -> None:
     """Feed every JSON file of `input_dir` (one per trigger) to `foreachBatch(stream)` until none is
     left, then close the stream and stop Spark."""
-    events = spark.readStream.schema(input_schema).option("maxFilesPerTrigger", 1).json(input_dir)
-    query = (events.writeStream.foreachBatch(stream).option("checkpointLocation", checkpoint)
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
+    from dstl.tools.stream_demo import run_file_stream
+
+    run_file_stream(spark, stream, input_schema, input_dir, checkpoint)
     stream.close()
     spark.stop()
 

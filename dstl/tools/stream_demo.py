@@ -122,13 +122,18 @@ def driver(base: str, input_dir: str, ckpt: str, parallelism: int, master: str) 
             f"subtasks continued from memory")
         print(f"  batch {batch_id} at parallelism {parallelism}: {what} ({res.seconds:.1f} s)", flush=True)
 
-    events = spark.readStream.schema(INPUT_DDL).option("maxFilesPerTrigger", 1).json(input_dir)
-    query = (events.writeStream.foreachBatch(each_batch).option("checkpointLocation", ckpt)
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
+    run_file_stream(spark, each_batch, INPUT_DDL, input_dir, ckpt)
     stream.close()
     spark.stop()
     return 0
+
+
+def run_file_stream(spark, foreach_batch, input_ddl: str, input_dir: str, checkpoint: str) -> None:
+    """Feed every JSON file of `input_dir`, one per trigger, to `foreach_batch` until none is left."""
+    events = spark.readStream.schema(input_ddl).option("maxFilesPerTrigger", 1).json(input_dir)
+    query = (events.writeStream.foreachBatch(foreach_batch).option("checkpointLocation", checkpoint)
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
 
 
 def _run_child(args: List[str], faults_spec: Optional[str], log_path: str) -> int:
