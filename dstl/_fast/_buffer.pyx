@@ -930,4 +930,3 @@ cdef class WriterCore:
         if n == 0:
             return None
         return buf.seal_body(), size, n
-

@@ -4,9 +4,10 @@
 it under the file lock if none runs) and returns `(scheduler, registry)`:
 
 * `ProcessUploadScheduler` (a `StateChangeUploadScheduler`): `upload(task)` waits while the service
-  reports back-pressure, builds the task's sealed bodies straight into a mapped shared-memory segment
-  (a kept segment of a finished task when one is free: its pages are mapped already) and sends a descriptor;
-  results and failures come back on a reader thread and are delivered to the task on a callback thread (so a callback that uploads again never blocks the reader).
+  reports back-pressure, builds the task's sealed bodies straight into a mapped shared-memory
+  segment (a kept segment of a finished task when one is free: its pages are mapped already) and
+  sends a descriptor; results and failures come back on a reader thread and are delivered to the
+  task on a callback thread (so a callback that uploads again never blocks the reader).
 * `ServiceRegistryProxy` (the `TaskChangelogRegistry` interface): every call is a message to the
   service's registry process.
 
@@ -296,22 +297,20 @@ class ServiceConnection:
         bodies = [cs.body for cs in sets]
         need = sum(len(b) for b in bodies)
         seg = self._take_free(need)
-        if seg is not None:
-            try:
+        try:
+            if seg is not None:
+                try:
+                    _, spans = seg.write(bodies)
+                except FileNotFoundError:  # swept meanwhile: make a new one
+                    seg.close()
+                    seg = None
+            if seg is None:
+                seg = shm.Segment(f"{self.prefix}{task_id}", need)
                 _, spans = seg.write(bodies)
-            except FileNotFoundError:  # swept meanwhile: make a new one
-                seg.close()
-                seg = None
-            except BaseException:
+        except BaseException:
+            if seg is not None:  # a failed write leaves nothing worth keeping
                 seg.unlink()
-                raise
-        if seg is None:
-            seg = shm.Segment(f"{self.prefix}{task_id}", need)
-            try:
-                _, spans = seg.write(bodies)
-            except BaseException:
-                seg.unlink()
-                raise
+            raise
         self.bytes_shared += sum(n for _, n in spans)
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]

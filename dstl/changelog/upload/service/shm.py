@@ -75,14 +75,11 @@ class Segment:
             self.size = size
             self._ino = os.fstat(fd).st_ino
         except BaseException:
-            if flags & os.O_CREAT:
-                os.close(fd)
-                fd = -1
+            if flags & os.O_CREAT:  # a segment that never held anything is not left behind
                 unlink(self.name)
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
 
     def write(self, bodies: Sequence) -> Tuple[int, List[Tuple[int, int]]]:
         """Write `bodies` back to back from offset 0 (growing the segment if they do not fit); return
@@ -232,6 +229,6 @@ def sweep_orphans(alive) -> int:
     return count
 
 
-__all__ = ["Segment", "segment_size", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans", "list_segments",
-           "segment_prefix", "SHM_DIR"]
+__all__ = ["Segment", "segment_size", "open_readonly", "attach", "unlink", "sweep", "sweep_orphans",
+           "list_segments", "segment_prefix", "SHM_DIR"]
 

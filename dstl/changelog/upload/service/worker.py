@@ -3,8 +3,9 @@
 The attempt itself is C2's `StateChangeFsUploader.upload` (compression, CRCs, exclusive create,
 partial-file cleanup, local-recovery copy); this module only rebuilds the tasks around byte ranges of
 the segments' descriptors (`FileSpan`: copied through one reused buffer into a raw local file,
-streamed in chunks otherwise; nothing is mapped) and reports the outcome as plain data. `start_tracking` calls are collected and
-returned: the service applies them in its registry only for the winning attempt.
+streamed in chunks otherwise; nothing is mapped) and reports the outcome as plain data.
+`start_tracking` calls are collected and returned: the service applies them in its registry only for
+the winning attempt.
 """
 from __future__ import annotations
 
