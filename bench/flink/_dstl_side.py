@@ -18,6 +18,8 @@ from dstl import KeyGroupRange  # noqa: E402
 PERSIST_TIMEOUT = 600.0
 KEY_GROUPS = 128  # sd.make_data spreads changes over key groups 0..127
 VALUE = sd.VALUE
+# where the last write's appending thread finished: {"appends": s, "tail": s} (persist() to handle)
+LAST_SPLIT = {"appends": 0.0, "tail": 0.0}
 
 
 class Workload(NamedTuple):
@@ -56,8 +58,10 @@ def write_vectorised(storage, log_name: str, w: Workload, checkpoint_id: int) ->
     for start in range(0, n, step):
         end = min(n, start + step)
         writer.append_many(kgs[start:end], mv[start * value:end * value], offs[start:end + 1] - start * value)
+    t1 = time.perf_counter()
     handle = writer.persist(writer.initial_sequence_number(), checkpoint_id).result(PERSIST_TIMEOUT)
     elapsed = time.perf_counter() - t0
+    LAST_SPLIT.update(appends=t1 - t0, tail=elapsed - (t1 - t0))
     writer.close()
     return elapsed, handle.job_manager_owned_snapshot
 
@@ -69,22 +73,12 @@ def write_per_record(storage, log_name: str, w: Workload, checkpoint_id: int) ->
     t0 = time.perf_counter()
     for kg, v in zip(w.kg_list, w.values):
         append(kg, v)
+    t1 = time.perf_counter()
     handle = writer.persist(writer.initial_sequence_number(), checkpoint_id).result(PERSIST_TIMEOUT)
     elapsed = time.perf_counter() - t0
+    LAST_SPLIT.update(appends=t1 - t0, tail=elapsed - (t1 - t0))
     writer.close()
     return elapsed, handle.job_manager_owned_snapshot
-
-
-def write_plain(directory: str, name: str, w: Workload) -> float:
-    """The floor of every write path: the payload, already one buffer, in one write() to a new local
-    file (open, write, close; no fsync, as neither side syncs). -> seconds."""
-    path = os.path.join(directory, name)
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(w.data)
-    elapsed = time.perf_counter() - t0
-    os.remove(path)
-    return elapsed
 
 
 def read_arrays(storage, handle) -> Tuple[float, int]:

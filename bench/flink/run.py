@@ -53,7 +53,13 @@ PATHS = [
     ("flink_read", "Flink", "read", "for c : reader.getChanges(handle)"),
     ("dstl_read_arrays", "dstl", "read", "reader.get_changes_arrays(handle)"),
     ("dstl_read_objects", "dstl", "read", "for c in reader.get_changes(handle)"),
+    ("plain_read", "floor", "read", "that file read back with one readinto() (page cache warm)"),
 ]
+# dstl path -> the floor it is measured against in the same round (throughput ratio path / floor)
+FLOORS = {"dstl_write_vectorised_process": "plain_write", "dstl_write_vectorised_thread": "plain_write",
+          "dstl_write_per_record": "plain_write", "dstl_read_arrays": "plain_read",
+          "dstl_read_objects": "plain_read"}
+UNSTABLE = 2.0  # a path whose slowest round took more than this times its fastest is flagged
 BASELINE = {"write": "flink_write", "read": "flink_read"}
 
 
@@ -115,6 +121,7 @@ def _git_commit() -> str:
 
 def run_rounds(args, jdk) -> dict:
     import _dstl_side as ds
+    import phases as ph
     from dstl import IMPLEMENTATION, open_storage
 
     n = args.changes
@@ -122,6 +129,7 @@ def run_rounds(args, jdk) -> dict:
     root = tempfile.mkdtemp(prefix="dstl-bench-flink-")
     harness = None
     storages = []
+    meter = None
     try:
         log(f"preparing {n:,} changes on both sides")
         workload = ds.make_workload(n)
@@ -130,13 +138,17 @@ def run_rounds(args, jdk) -> dict:
         default = open_storage(os.path.join(root, "dstl-default"))
         thread = open_storage(os.path.join(root, "dstl-thread"), upload_mode="thread")
         storages = [default, thread]
+        meter = ph.Phases(root, workload)
         seconds: Dict[str, List[float]] = {key: [] for key, *_ in PATHS}
         shapes: Dict[str, dict] = {}
+        extra: List[Dict[str, float]] = []  # per counted round: phases, splits, floors, keyed state
+        load = {"start": os.getloadavg(), "rounds": []}
         for rnd in range(args.rounds + 1):
             counted = rnd > 0
             cp = rnd + 1
             log(f"round {rnd}/{args.rounds}" + ("" if counted else " (warm-up, not counted)"))
             times: Dict[str, float] = {}
+            more: Dict[str, float] = {}
             os.sync()  # write-back of the previous round must not land in this one
             w = harness.call("write")
             r = harness.call("read")
@@ -152,8 +164,14 @@ def run_rounds(args, jdk) -> dict:
                 os.sync()
                 times[key], handles[key] = fn(storage, f"{key}-{rnd}", workload, cp)
                 shapes[key] = ds.handle_shape(handles[key])
+                more[f"{key}.appends"] = ds.LAST_SPLIT["appends"]
+                more[f"{key}.tail"] = ds.LAST_SPLIT["tail"]
             os.sync()
-            times["plain_write"] = ds.write_plain(root, f"plain-{rnd}", workload)
+            times.update(meter.plain_write_read(f"plain-{rnd}"))
+            os.sync()
+            more.update({f"phase.{k}": v for k, v in meter.write_phases().items()})
+            more["call_floor"] = meter.call_floor()
+            more.update({f"state_ns.{k}": v for k, v in meter.keyed_state(default).items()})
             readable = handles["dstl_write_vectorised_process"]
             for key, fn in (("dstl_read_arrays", ds.read_arrays), ("dstl_read_objects", ds.read_objects)):
                 times[key], count = fn(default, readable)
@@ -168,9 +186,17 @@ def run_rounds(args, jdk) -> dict:
             if counted:
                 for key, t in times.items():
                     seconds[key].append(t)
-            log("  " + "  ".join(f"{key} {n * ds.VALUE / 1e6 / t:.0f} MB/s" for key, t in times.items()))
-        return summarise(args, seconds, shapes, IMPLEMENTATION, harness.java_version)
+                extra.append(more)
+                load["rounds"].append(os.getloadavg()[0])
+            log("  " + "  ".join(f"{key} {n * ds.VALUE / 1e6 / t:.0f} MB/s" for key, t in times.items())
+                + f"  load {os.getloadavg()[0]:.1f}")
+        load["end"] = os.getloadavg()
+        result = summarise(args, seconds, shapes, IMPLEMENTATION, harness.java_version)
+        add_hot_paths(result, extra, load)
+        return result
     finally:
+        if meter is not None:
+            meter.close()
         for storage in storages:
             storage.close()
         if harness is not None:
@@ -215,6 +241,160 @@ def summarise(args, seconds: Dict[str, List[float]], shapes: Dict[str, dict], im
     }
 
 
+def _stats(values: List[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
+
+
+# (key, what, goal, met(value)) of the hot-path goals (issue 21), checked on same-round medians
+GOALS = [
+    ("vs_floor.dstl_write_vectorised_process", "vectorised write, process mode / plain write()", ">= 0.8",
+     lambda v: v >= 0.8),
+    ("vs_floor.dstl_write_vectorised_thread", "vectorised write, thread mode / plain write()", ">= 0.8",
+     lambda v: v >= 0.8),
+    ("ratio_vs_flink.dstl_write_per_record", "per-record append + persist / warm Flink", ">= 1.0x",
+     lambda v: v >= 1.0),
+    ("per_record.append_vs_call_floor", "per-record append loop / no-op C call loop (time)", "<= 1.3",
+     lambda v: v <= 1.3),
+    ("keyed_state.update_vs_call_floor", "ValueState.update per key / no-op C call (time)", "<= 1.3",
+     lambda v: v <= 1.3),
+    ("keyed_state.get_vs_call_floor", "ValueState.get per key / no-op C call (time)", "<= 1.3",
+     lambda v: v <= 1.3),
+    ("ratio_vs_flink.dstl_read_objects", "restore as objects / warm Flink", ">= 1.5x", lambda v: v >= 1.5),
+    ("vs_floor.dstl_read_arrays", "restore as arrays / plain read()", ">= 0.8", lambda v: v >= 0.8),
+]
+
+
+def add_hot_paths(result: dict, extra: List[Dict[str, float]], load: dict) -> None:
+    """Adds the floors, the phases, the keyed-state calls, the load and the goals to `result`."""
+    paths = result["paths"]
+    n = result["workload"]["changes"]
+    seconds = {key: p["seconds"] for key, p in paths.items()}
+    vs_floor = {}
+    for key, floor in FLOORS.items():
+        vs_floor[key] = _stats([f / t for t, f in zip(seconds[key], seconds[floor])])
+        paths[key]["ratio_vs_floor"] = vs_floor[key]
+    col = {k: [r[k] for r in extra] for k in (extra[0] if extra else {})}
+    ns = lambda xs: [x / n * 1e9 for x in xs]  # noqa: E731
+    append_ns = ns(col["dstl_write_per_record.appends"])
+    floor_ns = ns(col["call_floor"])
+    per_record = {
+        "append_loop_ns": _stats(append_ns), "call_floor_ns": _stats(floor_ns),
+        "append_plus_persist_ns": _stats(ns(seconds["dstl_write_per_record"])),
+        "flink_ns": _stats(ns(seconds["flink_write"])),
+        "append_vs_call_floor": _stats([a / f for a, f in zip(append_ns, floor_ns)]),
+    }
+    state = {k.split(".", 1)[1]: _stats(v) for k, v in col.items() if k.startswith("state_ns.")}
+    state["update_vs_call_floor"] = _stats([u / f for u, f in zip(col["state_ns.value_update"], floor_ns)])
+    state["get_vs_call_floor"] = _stats([g / f for g, f in zip(col["state_ns.value_get"], floor_ns)])
+    state["update_vs_dict"] = _stats([u / d for u, d in zip(col["state_ns.value_update"], col["state_ns.dict_set"])])
+    state["get_vs_dict"] = _stats([g / d for g, d in zip(col["state_ns.value_get"], col["state_ns.dict_get"])])
+    phases = {k.split(".", 1)[1]: _stats([x * 1000 for x in v]) for k, v in col.items() if k.startswith("phase.")}
+    phases["bodies"] = col["phase.bodies"][0] if col.get("phase.bodies") else 0
+    for key in ("dstl_write_vectorised_process", "dstl_write_vectorised_thread", "dstl_write_per_record"):
+        phases[f"{key}.appends"] = _stats([x * 1000 for x in col[f"{key}.appends"]])
+        phases[f"{key}.tail"] = _stats([x * 1000 for x in col[f"{key}.tail"]])
+    result["vs_floor"] = vs_floor
+    result["per_record"] = per_record
+    result["keyed_state"] = state
+    result["phases_ms"] = phases
+    spread = {key: max(ts) / min(ts) for key, ts in seconds.items() if min(ts) > 0}
+    unstable = {key: s for key, s in spread.items() if s > UNSTABLE}
+    result["load"] = {"loadavg_at_start": list(load["start"]), "loadavg_1m_per_round": load["rounds"],
+                      "loadavg_at_end": list(load["end"]), "slowest_over_fastest_round": spread,
+                      "unstable_paths": unstable, "rounds_disagree": bool(unstable)}
+    result["machine"]["loadavg_1m_at_end"] = load["end"][0]
+    lookup = {"vs_floor": vs_floor, "per_record": per_record, "keyed_state": state,
+              "ratio_vs_flink": {k: p["ratio_vs_flink"] for k, p in paths.items() if "ratio_vs_flink" in p}}
+    goals = []
+    for ref, what, goal, ok in GOALS:
+        group, key = ref.split(".", 1)
+        value = lookup[group][key]["median"]
+        goals.append({"goal": what, "target": goal, "median": value, "met": bool(ok(value))})
+    result["goals"] = goals
+
+
+def print_hot_paths(result: dict) -> None:
+    if "phases_ms" not in result:
+        return
+    ph, pr, ks, ld = result["phases_ms"], result["per_record"], result["keyed_state"], result["load"]
+    print("\nphases of one vectorised write, ms (median, min-max):")
+    for line in phase_rows(result):
+        print("  " + " | ".join(line))
+    print(f"\nper record: append loop {pr['append_loop_ns']['median']:.0f} ns, no-op C call loop "
+          f"{pr['call_floor_ns']['median']:.0f} ns, ratio {pr['append_vs_call_floor']['median']:.2f} "
+          f"({pr['append_vs_call_floor']['min']:.2f}-{pr['append_vs_call_floor']['max']:.2f}); with persist "
+          f"{pr['append_plus_persist_ns']['median']:.0f} ns, Flink {pr['flink_ns']['median']:.0f} ns")
+    print(f"keyed state per key: ValueState.update {ks['value_update']['median']:.0f} ns, get "
+          f"{ks['value_get']['median']:.0f} ns; dict set {ks['dict_set']['median']:.0f} ns, get "
+          f"{ks['dict_get']['median']:.0f} ns")
+    print(f"load average: start {ld['loadavg_at_start'][0]:.1f}, rounds "
+          f"{', '.join(f'{x:.1f}' for x in ld['loadavg_1m_per_round'])}, end {ld['loadavg_at_end'][0]:.1f}")
+    if ld["rounds_disagree"]:
+        print("WARNING: rounds disagree by more than 2x (slowest/fastest): " +
+              ", ".join(f"{k} {v:.1f}x" for k, v in ld["unstable_paths"].items()))
+    print("\ngoals (same-round medians):")
+    for g in result["goals"]:
+        print(f"  {g['goal']:60s} {g['target']:>7s}  {g['median']:6.2f}  {'met' if g['met'] else 'MISSED'}")
+
+
+def _ms(s: dict) -> str:
+    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
+
+
+def phase_rows(result: dict) -> List[List[str]]:
+    """Rows (phase, thread mode, process mode) of the breakdown, in ms."""
+    ph = result["phases_ms"]
+    proc, thr = "dstl_write_vectorised_process", "dstl_write_vectorised_thread"
+    paths = result["paths"]
+    total = lambda key: _stats([t * 1000 for t in paths[key]["seconds"]])  # noqa: E731
+    return [
+        ["end to end: append_many calls + persist", _ms(total(thr)), _ms(total(proc))],
+        ["  appending thread: every append_many call, hand-offs included", _ms(ph[f"{thr}.appends"]),
+         _ms(ph[f"{proc}.appends"])],
+        ["  tail: persist() until the handle (batching delay, last upload, metadata, acknowledgement)",
+         _ms(ph[f"{thr}.tail"]), _ms(ph[f"{proc}.tail"])],
+        ["on its own: framing and packing (append_many + seal_body, payload referenced)", _ms(ph["pack"]),
+         _ms(ph["pack"])],
+        ["on its own: body copy (canonical layout) into a warm buffer / into shared memory",
+         _ms(ph["body_copy"]), _ms(ph["body_copy_shm"])],
+        ["on its own: file write from the buffer / shared memory -> file (pread + write)",
+         _ms(ph["file_write"]), _ms(ph["shm_to_file"])],
+        ["floor: plain write() of the payload", _ms(total("plain_write")), _ms(total("plain_write"))],
+        ["floor: plain readinto() of that file", _ms(total("plain_read")), _ms(total("plain_read"))],
+    ]
+
+
+def hot_path_markdown(result: dict) -> str:
+    """The phases, per-record, keyed-state and goal tables for docs/benchmarks.md."""
+    if "phases_ms" not in result:
+        return ""
+    pr, ks, ld = result["per_record"], result["keyed_state"], result["load"]
+    out = ["| phase (ms, median (min-max)) | thread mode | process mode (default) |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in phase_rows(result)]
+    r = lambda s, f="{:.0f}": f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"  # noqa: E731
+    out += ["", "| per call, same run | ns: median (min-max) | ratio: median (min-max) |", "|---|---|---|",
+            f"| no-op C call loop: `operator.is_(kg, v)` | {r(pr['call_floor_ns'])} | 1 |",
+            f"| per-record `writer.append(kg, v)` loop (pre-emptive persists included) | "
+            f"{r(pr['append_loop_ns'])} | {r(pr['append_vs_call_floor'], '{:.2f}')} of the call loop |",
+            f"| the same + final `persist` | {r(pr['append_plus_persist_ns'])} | |",
+            f"| Flink: `writer.append` + persist | {r(pr['flink_ns'])} | |",
+            f"| `d[k] = v` | {r(ks['dict_set'])} | |",
+            f"| `ValueState.update(k, v)` | {r(ks['value_update'])} | {r(ks['update_vs_call_floor'], '{:.2f}')} "
+            f"of the call loop, {r(ks['update_vs_dict'], '{:.2f}')} of the dict |",
+            f"| `d.get(k)` | {r(ks['dict_get'])} | |",
+            f"| `ValueState.get(k)` | {r(ks['value_get'])} | {r(ks['get_vs_call_floor'], '{:.2f}')} of the call "
+            f"loop, {r(ks['get_vs_dict'], '{:.2f}')} of the dict |"]
+    out += ["", "| goal | target | same-round median | |", "|---|---|---|---|"]
+    out += [f"| {g['goal']} | {g['target']} | {g['median']:.2f} | {'met' if g['met'] else '**missed**'} |"
+            for g in result["goals"]]
+    flag = ("rounds disagree by more than 2x: " + ", ".join(f"`{k}` {v:.1f}x" for k, v in ld["unstable_paths"].items())
+            if ld["rounds_disagree"] else "no path's slowest round took more than 2x its fastest")
+    out += ["", f"Load average (1 min): {ld['loadavg_at_start'][0]:.1f} at the start, "
+            f"{', '.join(f'{x:.1f}' for x in ld['loadavg_1m_per_round'])} after each round, "
+            f"{ld['loadavg_at_end'][0]:.1f} at the end; {flag}."]
+    return "\n".join(out)
+
+
 def print_table(result: dict) -> None:
     w = result["workload"]
     print(f"dstl ({result['dstl']['implementation']}) vs Flink {result['flink']['version']} DSTL, "
@@ -228,6 +408,7 @@ def print_table(result: dict) -> None:
         name = f"{kind:5s} {system:5s} {label}"
         print(f"  {name:72s} {p['median_seconds'] * 1000:7.0f} ms {p['median_mb_per_s']:7.0f}  {r:>22s}")
     print("  (shared, loaded 2-core machine: quote medians and same-run ratios only)")
+    print_hot_paths(result)
 
 
 def markdown_table(result: dict) -> str:
@@ -288,7 +469,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.markdown_from:
         with open(args.markdown_from) as f:
-            print(markdown_table(json.load(f)))
+            saved = json.load(f)
+        print(markdown_table(saved))
+        print()
+        print(hot_path_markdown(saved))
         return 0
     jdk = fetch.find_jdk()
     if jdk is None:
