@@ -159,3 +159,31 @@ def test_file_span_send_to_copies_exactly_across_pieces_and_reuses_its_buffer(tm
     data = src.read_bytes()
     assert (tmp_path / "dst").read_bytes() == b"head" + data[offset:offset + length] + data[:1]
     assert len(U._pieces) == 1 and len(U._pieces[0]) == 1024  # one buffer, given back after each copy
+
+
+@pytest.mark.parametrize("offset", [0, 4099])
+def test_file_span_send_to_maps_a_large_span_and_copies_it_exactly(tmp_path, monkeypatch, offset):
+    """From MAP_MIN on a span is mapped (MAP_POPULATE) and written in one go, from an offset that need
+    not be page-aligned; no piece buffer is used. A span past the segment's end is an EOFError, checked
+    before anything is mapped (touching a mapping past the end would be SIGBUS)."""
+    from dstl.changelog.upload import uploader as U
+
+    if not U._POPULATE:
+        pytest.skip("no MAP_POPULATE on this system: every span goes through the piece buffer")
+    monkeypatch.setattr(U, "MAP_MIN", 8192)
+    monkeypatch.setattr(U, "_pieces", [])
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(70_000))
+    fd = os.open(src, os.O_RDONLY)
+    out = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(out, b"head")
+        U.FileSpan(fd, offset, 60_000).send_to(out)
+        with pytest.raises(EOFError, match="segment ends at 70000"):
+            U.FileSpan(fd, offset, 70_001 - offset).send_to(out)
+    finally:
+        os.close(fd)
+        os.close(out)
+    data = src.read_bytes()
+    assert (tmp_path / "dst").read_bytes() == b"head" + data[offset:offset + 60_000]
+    assert U._pieces == []  # the mapped path took no piece buffer

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import mmap
 import os
 import threading
 import time
@@ -74,9 +75,15 @@ class FileSpan:
         return self.length
 
     def send_to(self, out_fd: int) -> None:
-        """Append the span to `out_fd` (at its file position), a piece at a time through one reused
-        buffer the size of the L2 cache: both copies stay in the cache. That is about twice as fast as
-        sendfile(2) from tmpfs into ext4, which moves 16 pages per splice (docs/service.md)."""
+        """Append the span to `out_fd` (at its file position). A large span is mapped with
+        MAP_POPULATE and written in one write(2): the kernel copies straight from the segment's pages
+        into the page cache, one copy, with the page tables filled in one go instead of one fault per
+        page (a plain mapping) or a pread into a buffer first (docs/service.md). Small spans, and
+        systems without MAP_POPULATE, go a piece at a time through one reused buffer the size of the
+        L2 cache (about twice as fast as sendfile(2) from tmpfs into ext4)."""
+        if self.length >= MAP_MIN and _POPULATE:
+            self._map_to(out_fd)
+            return
         buf = _pieces.pop() if _pieces else bytearray(SEND_PIECE)
         view = memoryview(buf)
         try:
@@ -91,8 +98,27 @@ class FileSpan:
             view.release()
             _pieces.append(buf)
 
+    def _map_to(self, out_fd: int) -> None:
+        end = self.offset + self.length
+        size = os.fstat(self.fd).st_size
+        if size < end:  # checked first: touching a mapping past the file's end is SIGBUS, not an error
+            raise EOFError(f"the shared-memory segment ends at {size}, before its change set's end {end}")
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self.fd, end - start, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                      offset=start)
+        try:
+            view = memoryview(m)
+            try:
+                _write_all(out_fd, view[self.offset - start:])
+            finally:
+                view.release()
+        finally:
+            m.close()
+
 
 SEND_PIECE = 1 << 20
+MAP_MIN = 1 << 20  # spans from this size on are mapped (MAP_POPULATE) rather than copied through a buffer
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _pieces: list = []  # reused FileSpan.send_to buffers (one per concurrent copy; touched once)
 
 
