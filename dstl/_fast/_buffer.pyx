@@ -908,13 +908,33 @@ cdef class WriterCore:
         """Add one data change; may upload pre-emptively (and then block on back-pressure)."""
         cdef long kg
         cdef int overflow = 0
-        self._enter()
+        cdef ChangeBuffer buf = self._buffer
+        cdef Py_ssize_t length
+        if self._flusher != 0 or self._closed:
+            self._enter()  # raises, unless this thread is the one inside the pre-emptive persist
         if not PyLong_CheckExact(key_group):
             key_group = writer_key_group(key_group)  # TypeError for non-integers
         kg = PyLong_AsLongAndOverflow(key_group, &overflow)
         if overflow or kg < self._kg_start or kg > self._kg_end:
             raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
-        self._buffer._add(<int32_t>kg, data)
+        # The common case inline (bytes, room in the arrays and the arena, the arena run going on): the
+        # same stores as ChangeBuffer._add without its call, buffer export and checks; else _add.
+        if PyBytes_CheckExact(data) and not buf.busy:
+            length = PyBytes_GET_SIZE(data)
+            if buf.n < buf.cap and buf.arena_len + length <= buf.arena_cap and length <= INT32_MAX \
+                    and buf.nruns and buf.run_ptr[buf.nruns - 1] == NULL:
+                memcpy(buf.arena + buf.arena_len, PyBytes_AS_STRING(data), length)
+                buf.kgs[buf.n] = <int32_t>kg
+                buf.offs[buf.n] = buf.arena_len
+                buf.lens[buf.n] = <int32_t>length
+                buf.n += 1
+                buf.arena_len += length
+                buf.payload += length
+                buf._count(kg + 1, 1)
+                if buf.payload >= self._threshold:
+                    self._after()
+                return
+        buf._add(<int32_t>kg, data)
         self._after()
 
     def append_meta(self, data):
