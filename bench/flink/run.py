@@ -170,7 +170,7 @@ def run_rounds(args, jdk) -> dict:
             times.update(meter.plain_write_read(f"plain-{rnd}"))
             os.sync()
             more.update({f"phase.{k}": v for k, v in meter.write_phases().items()})
-            more["call_floor"] = meter.call_floor()
+            more.update(meter.append_calls(default))
             more.update({f"state_ns.{k}": v for k, v in meter.keyed_state(default).items()})
             readable = handles["dstl_write_vectorised_process"]
             for key, fn in (("dstl_read_arrays", ds.read_arrays), ("dstl_read_objects", ds.read_objects)):
@@ -253,7 +253,7 @@ GOALS = [
      lambda v: v >= 0.8),
     ("ratio_vs_flink.dstl_write_per_record", "per-record append + persist / warm Flink", ">= 1.0x",
      lambda v: v >= 1.0),
-    ("per_record.append_vs_call_floor", "per-record append loop / no-op C call loop (time)", "<= 1.3",
+    ("per_record.append_vs_call_floor", "per-record append call / no-op C call (time, same loop)", "<= 1.3",
      lambda v: v <= 1.3),
     ("keyed_state.update_vs_call_floor", "ValueState.update per key / no-op C call (time)", "<= 1.3",
      lambda v: v <= 1.3),
@@ -275,10 +275,11 @@ def add_hot_paths(result: dict, extra: List[Dict[str, float]], load: dict) -> No
         paths[key]["ratio_vs_floor"] = vs_floor[key]
     col = {k: [r[k] for r in extra] for k in (extra[0] if extra else {})}
     ns = lambda xs: [x / n * 1e9 for x in xs]  # noqa: E731
-    append_ns = ns(col["dstl_write_per_record.appends"])
+    append_ns = ns(col["append_calls"])
     floor_ns = ns(col["call_floor"])
     per_record = {
-        "append_loop_ns": _stats(append_ns), "call_floor_ns": _stats(floor_ns),
+        "append_call_ns": _stats(append_ns), "call_floor_ns": _stats(floor_ns),
+        "append_loop_ns": _stats(ns(col["dstl_write_per_record.appends"])),
         "append_plus_persist_ns": _stats(ns(seconds["dstl_write_per_record"])),
         "flink_ns": _stats(ns(seconds["flink_write"])),
         "append_vs_call_floor": _stats([a / f for a, f in zip(append_ns, floor_ns)]),
@@ -320,7 +321,8 @@ def print_hot_paths(result: dict) -> None:
     print("\nphases of one vectorised write, ms (median, min-max):")
     for line in phase_rows(result):
         print("  " + " | ".join(line))
-    print(f"\nper record: append loop {pr['append_loop_ns']['median']:.0f} ns, no-op C call loop "
+    print(f"\nper record: append call {pr['append_call_ns']['median']:.0f} ns (in the write, with uploads "
+          f"beside it: {pr['append_loop_ns']['median']:.0f} ns), no-op C call "
           f"{pr['call_floor_ns']['median']:.0f} ns, ratio {pr['append_vs_call_floor']['median']:.2f} "
           f"({pr['append_vs_call_floor']['min']:.2f}-{pr['append_vs_call_floor']['max']:.2f}); with persist "
           f"{pr['append_plus_persist_ns']['median']:.0f} ns, Flink {pr['flink_ns']['median']:.0f} ns")
@@ -374,8 +376,10 @@ def hot_path_markdown(result: dict) -> str:
     r = lambda s, f="{:.0f}": f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"  # noqa: E731
     out += ["", "| per call, same run | ns: median (min-max) | ratio: median (min-max) |", "|---|---|---|",
             f"| no-op C call loop: `operator.is_(kg, v)` | {r(pr['call_floor_ns'])} | 1 |",
-            f"| per-record `writer.append(kg, v)` loop (pre-emptive persists included) | "
-            f"{r(pr['append_loop_ns'])} | {r(pr['append_vs_call_floor'], '{:.2f}')} of the call loop |",
+            f"| `writer.append(kg, v)`, the same loop, nothing uploading beside it | "
+            f"{r(pr['append_call_ns'])} | {r(pr['append_vs_call_floor'], '{:.2f}')} of the call loop |",
+            f"| `writer.append(kg, v)` in the per-record write (uploads and pre-emptive persists beside it) | "
+            f"{r(pr['append_loop_ns'])} | |",
             f"| the same + final `persist` | {r(pr['append_plus_persist_ns'])} | |",
             f"| Flink: `writer.append` + persist | {r(pr['flink_ns'])} | |",
             f"| `d[k] = v` | {r(ks['dict_set'])} | |",
