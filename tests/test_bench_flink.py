@@ -110,3 +110,87 @@ def test_summary_ratios_are_same_round_throughput_ratios(bench_modules, capsys):
     run.print_table(result)
     out = capsys.readouterr().out
     assert " 1.00x (0.50-2.00)" in out and "baseline" in out
+
+
+def _hot_path_rounds(run, n, rounds):
+    """Per-round extras as run_rounds collects them (seconds), with known ratios."""
+    extra = []
+    for i in range(rounds):
+        more = {"call_floor": 0.040 * n / 1e6, "append_calls": (0.050 + 0.010 * i) * n / 1e6,
+                "state_ns.dict_set": 40.0, "state_ns.dict_get": 30.0,
+                "state_ns.value_update": 400.0, "state_ns.value_get": 120.0,
+                "phase.pack": 0.010, "phase.body_copy": 0.012, "phase.file_write": 0.024,
+                "phase.body_copy_shm": 0.013, "phase.shm_to_file": 0.030, "phase.bodies": 17}
+        for key in ("dstl_write_vectorised_process", "dstl_write_vectorised_thread", "dstl_write_per_record"):
+            more[f"{key}.appends"] = 0.030
+            more[f"{key}.tail"] = 0.020
+        extra.append(more)
+    return extra
+
+
+def test_hot_path_summary_ratios_goals_and_the_unstable_flag(bench_modules, capsys):
+    """Floors are same-round throughput ratios; the per-call ratios divide ns by ns of the same round;
+    a goal is met or missed on the median; a path whose slowest round took > 2x its fastest is flagged."""
+    _, run = bench_modules
+    n = 1_000_000
+    seconds = {key: [1.0, 1.0, 1.0] for key, *_ in run.PATHS}
+    seconds["plain_write"] = [0.5, 0.5, 0.5]
+    seconds["dstl_write_vectorised_thread"] = [0.5, 1.0, 0.6]  # 1.0, 0.5, 0.83 of the plain write
+    seconds["plain_read"] = [0.2, 0.2, 0.9]  # 4.5x between rounds: flagged
+    seconds["dstl_read_arrays"] = [0.1, 0.4, 0.3]  # 2.0, 0.5, 3.0 of the plain read; 4x: flagged
+    args = argparse.Namespace(changes=n, rounds=3)
+    result = run.summarise(args, seconds, {}, "cython", "17")
+    load = {"start": (1.0, 0.5, 0.2), "rounds": [1.1, 1.2, 1.3], "end": (1.4, 0.6, 0.3)}
+    run.add_hot_paths(result, _hot_path_rounds(run, n, 3), load)
+
+    thread = result["vs_floor"]["dstl_write_vectorised_thread"]
+    assert thread["per_round"] == pytest.approx([1.0, 0.5, 0.5 / 0.6])
+    assert thread["median"] == pytest.approx(0.5 / 0.6)
+    assert result["vs_floor"]["dstl_read_arrays"]["per_round"] == pytest.approx([2.0, 0.5, 3.0])
+    pr = result["per_record"]
+    assert pr["call_floor_ns"]["median"] == pytest.approx(40.0)
+    assert pr["append_call_ns"]["per_round"] == pytest.approx([50.0, 60.0, 70.0])
+    assert pr["append_vs_call_floor"]["per_round"] == pytest.approx([1.25, 1.5, 1.75])
+    assert result["keyed_state"]["update_vs_dict"]["median"] == pytest.approx(10.0)
+    assert result["keyed_state"]["get_vs_call_floor"]["median"] == pytest.approx(3.0)
+    assert result["phases_ms"]["pack"]["median"] == pytest.approx(10.0)
+    assert result["load"]["loadavg_1m_per_round"] == [1.1, 1.2, 1.3]
+    assert result["load"]["rounds_disagree"] is True
+    assert set(result["load"]["unstable_paths"]) == {"plain_read", "dstl_read_arrays"}
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert goals["vectorised write, thread mode / plain write()"]["met"] is True  # 0.83 >= 0.8
+    assert goals["vectorised write, process mode / plain write()"]["met"] is False  # 0.5
+    assert goals["per-record append call / no-op C call (time, same loop)"]["met"] is False  # 1.5 > 1.3
+    assert goals["restore as arrays / plain read()"]["met"] is True  # median 2.0
+
+    run.print_table(result)
+    out = capsys.readouterr().out
+    assert "WARNING: rounds disagree by more than 2x" in out and "MISSED" in out
+    md = run.hot_path_markdown(result)
+    assert "rounds disagree by more than 2x" in md and "**missed**" in md
+    assert "| `ValueState.update(k, v)` | 400 (400-400) |" in md
+
+
+def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
+    """The phase and floor measurements run on a real directory and storage, and clean up after."""
+    bench_modules  # puts bench/flink on sys.path
+    import _dstl_side as ds
+    import phases as ph
+    from dstl import open_storage
+
+    workload = ds.make_workload(120_000)
+    meter = ph.Phases(str(tmp_path), workload)
+    try:
+        got = meter.write_phases()
+        assert got["bodies"] == 2  # 12 MB, cut after the 10,000-row call that reaches 5 MiB: 6 MB each
+        assert all(got[k] > 0 for k in ("pack", "body_copy", "file_write", "body_copy_shm", "shm_to_file"))
+        floors = meter.plain_write_read("plain")
+        assert floors["plain_write"] > 0 and floors["plain_read"] > 0
+        with open_storage(str(tmp_path / "storage"), upload_mode="thread") as storage:
+            calls = meter.append_calls(storage)
+            assert calls["append_calls"] > 0 and calls["call_floor"] > 0
+            state = meter.keyed_state(storage)
+            assert set(state) == {"dict_set", "dict_get", "value_update", "value_get"}
+    finally:
+        meter.close()
+    assert sorted(os.listdir(tmp_path)) == ["storage"]  # the phases' files are gone
