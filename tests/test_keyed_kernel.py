@@ -165,3 +165,58 @@ def test_set_logs_the_change_then_fills_the_table(mod):
     with pytest.raises(TypeError, match="cannot serialize"):
         s.set(C.SET, "bob", object(), 1)
     assert len(log) == 2 and "bob" not in backend._table.get(_hash_py.assign_to_key_group("bob", 128), {}).get("v", {})
+
+
+@impl_params
+def test_bound_value_get_and_update_log_fill_and_defer_like_the_state_methods(mod):
+    """bind_value's update logs SET and fills the table (the bytes changes.encode gives); None values
+    and other key types go to the state's own methods; _mutated runs only when the backend has
+    something to check (a deferred append error, a materialization interval), and then raises it."""
+    k, log, backend = _appender(mod)
+    backend.materialize_every_changes = backend.materialize_every_bytes = None
+    slow = []
+    mutated = []
+    backend._mutated = lambda: mutated.append(backend._deferred_error)
+    get, update = k.for_state(4, "v").bind_value(
+        C.SET, lambda key, default: slow.append(("get", key, default)) or "slow",
+        lambda key, value: slow.append(("update", key, value)))
+    update("ann", [1, 2])
+    kg = _hash_py.assign_to_key_group("ann", 128)
+    assert log == [(kg, C.encode(C.SET, [4, "ann", [1, 2]]))]
+    assert backend._table == {kg: {"v": {"ann": [1, 2]}}}
+    assert get("ann") == [1, 2] and get(b"nobody", 0) == 0 and get(7) is None
+    assert mutated == [] and slow == []
+    update("ann", None)
+    update(True, 1)
+    assert get(1.5, "d") == "slow"
+    assert slow == [("update", "ann", None), ("update", True, 1), ("get", 1.5, "d")]
+    backend.materialize_every_changes = 10
+    update(3, 4)
+    assert mutated == [None]
+    backend.materialize_every_changes = None
+    backend._deferred_error = OSError("pre-emptive upload failed")
+    update(3, 5)
+    assert len(mutated) == 2 and isinstance(mutated[1], OSError)
+    with pytest.raises(ValueError, match="outside this backend's range"):
+        k2, _, _ = _appender(mod, kgr=KeyGroupRange(0, 0))
+        k2.for_state(1, "v").bind_value(C.SET, None, None)[1]("ann", 1)
+
+
+def test_value_state_binds_the_fast_path_only_where_it_applies(tmp_path):
+    """A plain ValueState with the native serializer gets the kernel's bound methods; a reducing state
+    and another serializer keep the class's; materialize_every_changes still fires through the fast path."""
+    from dstl.changelog.storage import open_storage
+    from dstl.state.backend import KeyedStateBackend
+    from dstl.state.serializers import PickleSerializer
+
+    with open_storage(str(tmp_path)) as st_:
+        b = KeyedStateBackend(st_, "op", KeyGroupRange(0, 127), 128, materialize_every_changes=3)
+        v = b.value_state("v")
+        assert v.update.__name__ == "value_update" and v.get.__name__ == "value_get"
+        assert b.reducing_state("r", lambda a, c: a + c).update.__func__.__qualname__ == "ReducingState.update"
+        assert b.value_state("p", serializer=PickleSerializer()).update.__func__.__qualname__ == "ValueState.update"
+        for i in range(3):
+            v.update(i, i * 10)
+        assert b.materializations == 1 and b._since_changes == 0
+        assert [v.get(i) for i in range(3)] == [0, 10, 20]
+        b.close()

@@ -234,6 +234,8 @@ cdef class StateAppender:
     cdef readonly object name
     cdef object sid
     cdef dict tables
+    cdef int set_op
+    cdef object slow_get, slow_update  # the state's own methods, for what the fast path leaves to them
 
     @property
     def appender(self):
@@ -253,6 +255,48 @@ cdef class StateAppender:
 
     def change(self, int op, key, *fields):
         return self._change(op, key, fields)
+
+    def bind_value(self, int set_op, slow_get, slow_update):
+        """`(get, update)` of a ValueState with a native serializer as two bound C methods: an int, str
+        or bytes key (and, for update, a value that is not None) takes one C call; anything else goes
+        to `slow_get(key, default)` / `slow_update(key, value)`, the state's own methods."""
+        self.set_op = set_op
+        self.slow_get = slow_get
+        self.slow_update = slow_update
+        return self.value_get, self.value_update
+
+    def value_get(self, key, default=None):
+        """ValueState.get (see bind_value)."""
+        cdef long g
+        if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+            return self.slow_get(key, default)
+        g = self.k.kg(key)
+        t = self.tables.get(g)
+        if t is None:
+            return default
+        s = (<dict>t).get(self.name)
+        if s is None:
+            return default
+        return (<dict>s).get(key, default)
+
+    def value_update(self, key, value):
+        """ValueState.update (see bind_value): logs SET, sets the entry, then what the backend's
+        `_mutated` checks (a deferred append error, a materialization interval) when there is any."""
+        cdef long g
+        if value is None or not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+            return self.slow_update(key, value)
+        g = self._change(self.set_op, key, (value,))
+        t = self.tables.get(g)
+        if t is None:
+            t = self.tables[g] = {}
+        s = (<dict>t).get(self.name)
+        if s is None:
+            s = (<dict>t)[self.name] = {}
+        (<dict>s)[key] = value
+        b = self.k.backend
+        if b._deferred_error is not None or b.materialize_every_changes is not None \
+                or b.materialize_every_bytes is not None:
+            b._mutated()
 
     cdef long _change(self, int op, key, tuple fields) except -1:
         cdef KeyedAppender k = self.k

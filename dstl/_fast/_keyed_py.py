@@ -88,7 +88,7 @@ class StateAppender:
     """The single-key changes of one state: `change(op, key, *fields)` logs `[state_id, key, *fields]`
     under operation `op` and returns the key's key group."""
 
-    __slots__ = ("appender", "state_id", "name", "tables")
+    __slots__ = ("appender", "state_id", "name", "tables", "set_op", "slow_get", "slow_update")
 
     def __init__(self, appender: KeyedAppender, state_id: int, name: str):
         self.appender = appender
@@ -117,3 +117,35 @@ class StateAppender:
             s = t[self.name] = {}
         s[key] = value
         return kg
+
+    def bind_value(self, set_op: int, slow_get, slow_update):
+        """`(get, update)` of a ValueState with a native serializer as two bound methods: an int, str
+        or bytes key (and, for update, a value that is not None) is handled here; anything else goes
+        to `slow_get(key, default)` / `slow_update(key, value)`, the state's own methods."""
+        self.set_op = set_op
+        self.slow_get = slow_get
+        self.slow_update = slow_update
+        return self.value_get, self.value_update
+
+    def value_get(self, key: Any, default: Any = None) -> Any:
+        """ValueState.get (see bind_value)."""
+        if type(key) not in _KEY_TYPES:
+            return self.slow_get(key, default)
+        t = self.tables.get(self.appender.kg(key))
+        if t is None:
+            return default
+        s = t.get(self.name)
+        if s is None:
+            return default
+        return s.get(key, default)
+
+    def value_update(self, key: Any, value: Any) -> None:
+        """ValueState.update (see bind_value): logs SET, sets the entry, then what the backend's
+        `_mutated` checks (a deferred append error, a materialization interval) when there is any."""
+        if value is None or type(key) not in _KEY_TYPES:
+            return self.slow_update(key, value)
+        self.set(self.set_op, key, value, value)
+        b = self.appender.backend
+        if b._deferred_error is not None or b.materialize_every_changes is not None \
+                or b.materialize_every_bytes is not None:
+            b._mutated()

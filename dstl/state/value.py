@@ -16,6 +16,14 @@ class ValueState(_State):
 
     kind = "value"
 
+    def __init__(self, backend, meta, serializer):
+        super().__init__(backend, meta, serializer)
+        if type(self) is ValueState and self._native:
+            # the bound fast path: an int, str or bytes key takes one C call (dstl/_fast/_keyed); other
+            # keys, and update(key, None), go on to the methods below
+            self.get, self.update = self._put.bind_value(
+                C.SET, ValueState.get.__get__(self), ValueState.update.__get__(self))
+
     def get(self, key: Any, default: Any = None) -> Any:
         if type(key) not in _KEY_TYPES:  # numpy scalars: stored and looked up as plain Python keys
             key = _norm_key(key)
