@@ -497,8 +497,11 @@ def write_chart(result: dict, path: str) -> None:
     fig.suptitle(f"dstl vs Apache Flink {result['flink']['version']} DSTL: {w['changes']:,} x {w['value_bytes']} B "
                  f"changes, {w['key_groups']} key groups, local disk, medians of {result['rounds']} rounds",
                  fontsize=9)
+    load = result.get("load")
+    where = (f"load average {min(load['loadavg_1m_per_round']):.1f}-{max(load['loadavg_1m_per_round']):.1f} "
+             f"during the rounds" if load and load.get("loadavg_1m_per_round") else "shared machine")
     fig.text(0.01, 0.005, "bars: median MB/s; whiskers: slowest and fastest round; Nx Flink: median of the "
-             "same-round ratios. Shared, loaded 2-core machine.", fontsize=7, color="#555555")
+             f"same-round ratios. 2 cores, {where}.", fontsize=7, color="#555555")
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
