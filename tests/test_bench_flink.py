@@ -196,3 +196,20 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     finally:
         meter.close()
     assert sorted(os.listdir(tmp_path)) == ["storage"]  # the phases' files are gone
+
+
+@pytest.mark.parametrize("script,args,expect", [
+    ("append_calls.py", ["--blocks", "2"], ["operator.is_ (no-op C call)", "writer.append", "/ no-op call"]),
+    ("state_calls_ab.py", ["--calls", "2000", "--keys", "100", "--rounds", "1"],
+     ["update, bound kernel", "get: class method / bound kernel"]),
+    ("thread_mode_load.py", ["--changes", "20000", "--rounds", "1", "--burners", "1"],
+     ["0 busy processes", "1 busy processes", "per record, process, switch 0.5 ms", "thread/process throughput"]),
+])
+def test_the_side_measurements_run_on_a_small_workload(script, args, expect):
+    """The scripts behind the per-call and thread-mode figures in docs/benchmarks.md run end to end
+    (a small workload, real storages; thread_mode_load starts and kills its busy processes)."""
+    proc = subprocess.run([sys.executable, os.path.join(FLINK_BENCH, script), *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in expect:
+        assert text in proc.stdout, proc.stdout
