@@ -70,11 +70,14 @@ def _start_service(paths: ServicePaths, config) -> int:
     import json
 
     tmp = paths.config_file + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(config.replace(upload_mode="thread").to_mapping(as_strings=True), f)
+    with open(tmp, "w") as f:  # never the fsspec options: they may hold credentials
+        json.dump(config.replace(upload_mode="thread").to_mapping(as_strings=True, with_fs_options=False), f)
     os.replace(tmp, paths.config_file)
     paths.authkey(create=True)
     env = dict(os.environ)
+    from dstl.changelog.fs import options_env
+
+    env.update(options_env(config.base_path, config.fs_options))  # in the service's memory only
     root = _package_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     out = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, paths.log_file, sys.executable, "-m",

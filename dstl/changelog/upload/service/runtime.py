@@ -55,6 +55,11 @@ def service_fingerprint(config) -> dict:
     """The options a service is built from (what the key hashes)."""
     fields = {k: v for k, v in _config_fields(config).items() if k not in _CLIENT_ONLY}
     fields["base_path"] = normalize_base_path(config.base_path)
+    # other credentials, another service; only a digest of them takes part (never the values)
+    fs_options = fields.pop("fs_options", None) or {}
+    if fs_options:
+        blob = json.dumps(fs_options, sort_keys=True, default=repr).encode()
+        fields["fs_options"] = hashlib.sha256(b"dstl-fs-options\0" + blob).hexdigest()
     fields["protocol"] = PROTOCOL_VERSION
     return fields
 
