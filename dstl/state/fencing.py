@@ -27,7 +27,7 @@ from dstl.errors import DstlError
 
 LEASE_DIR = "_dstl_writers"
 _EPOCH_RE = re.compile(r"^epoch-(\d{12})\.json$")
-_KEEP_EPOCHS = 2  # the previous epoch's file names the writer a takeover replaced
+_KEEP_EPOCHS = 1  # older epochs are deleted by a takeover: their runs are fenced by the newest
 
 
 class BasePathInUseError(DstlError, RuntimeError):
