@@ -2,12 +2,14 @@
 real task body (dstl.spark.keyed.run_subtask) in one process. Two of these started at once on one
 base path are two concurrent writers (tests/test_fencing.py).
 
-    python writer_race.py BASE BATCHES BARRIER_DIR NAME
+    python writer_race.py BASE BATCHES BARRIER_DIR NAME [RUNS]
 
 Every batch b holds ROWS events (key = (b * 7 + j) % KEYS); the operator keeps a running count per
 key and outputs (key, count) after each event's batch. The run waits at the barrier until the other
 run has opened too, then processes batches from the job's next batch to BATCHES - 1. It prints
-`WON` or `LOST <error>` (exit 3 when another run holds the base path).
+`WON` or `LOST <error>` (exit 3 when another run holds the base path). RUNS (default 2): how many
+runs meet at the barrier (1: no other run). Environment: RACE_UPLOAD_MODE (default thread) and
+RACE_FS_OPTIONS (JSON: fsspec options for the base path, e.g. credentials and endpoint).
 """
 from __future__ import annotations
 
@@ -58,12 +60,16 @@ def spec(base: str):
 
 
 def options(base: str):
+    import json
+
     from dstl.config import StorageConfig
 
-    return StorageConfig(base_path=base, upload_mode="thread").to_mapping()
+    fs_options = json.loads(os.environ.get("RACE_FS_OPTIONS") or "{}")
+    return StorageConfig(base_path=base, upload_mode=os.environ.get("RACE_UPLOAD_MODE", "thread"),
+                         fs_options=fs_options).to_mapping()
 
 
-def run(base: str, batches: int, barrier: str, name: str) -> int:
+def run(base: str, batches: int, barrier: str, name: str, runs: int = 2) -> int:
     import pyarrow as pa
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
@@ -72,11 +78,16 @@ def run(base: str, batches: int, barrier: str, name: str) -> int:
     from dstl.state.fencing import BasePathInUseError
 
     schema = pa.schema([("key", pa.int64()), ("count", pa.int64())])
+    from dstl.changelog.fs import StoreUnreachableError, probe_base_path, root_of
+
+    opts = options(base)  # registers the fsspec options for the base path in this process
     try:
-        coord = CheckpointCoordinator.open(base, spec(base), options(base), resume=True)
+        probe_base_path(base)
+        fs, root = root_of(base)
+        coord = CheckpointCoordinator.open(base, spec(base), opts, resume=fs.exists(f"{root}/_dstl_job.json"))
         open(os.path.join(barrier, name), "w").close()
         deadline = time.monotonic() + 60
-        while len(os.listdir(barrier)) < 2 and time.monotonic() < deadline:
+        while len(os.listdir(barrier)) < runs and time.monotonic() < deadline:
             time.sleep(0.01)
         for b in range(coord.next_batch, batches):
             plan = coord.plan(b, PARALLELISM)
@@ -89,9 +100,20 @@ def run(base: str, batches: int, barrier: str, name: str) -> int:
     except BasePathInUseError as exc:
         print(f"LOST {exc}", flush=True)
         return 3
+    except StoreUnreachableError as exc:
+        print(f"UNREACHABLE {exc}", flush=True)
+        return 4
     print("WON", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]))
+    if os.environ.get("RACE_LOG"):  # dstl's own log lines, all of them, to a file
+        import logging
+
+        handler = logging.FileHandler(os.environ["RACE_LOG"])
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logging.getLogger("dstl").addHandler(handler)
+        logging.getLogger("dstl").setLevel(logging.DEBUG)
+    sys.exit(run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                 int(sys.argv[5]) if len(sys.argv) > 5 else 2))
