@@ -202,7 +202,7 @@ def _file_problems(meta) -> List[str]:
             problems.append(f"{path}: missing")
             continue
         if got < size:
-            problems.append(f"{path}: {got} bytes, the checkpoint needs {size}")
+            problems.append(f"{path}: {got} bytes, the checkpoint needs at least {size}")
     return problems
 
 
