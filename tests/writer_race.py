@@ -65,8 +65,9 @@ def options(base: str):
     from dstl.config import StorageConfig
 
     fs_options = json.loads(os.environ.get("RACE_FS_OPTIONS") or "{}")
+    # a generous upload timeout: a loaded 2-core machine starts S3 clients slowly
     return StorageConfig(base_path=base, upload_mode=os.environ.get("RACE_UPLOAD_MODE", "thread"),
-                         fs_options=fs_options).to_mapping()
+                         upload_timeout_ms="20 s", fs_options=fs_options).to_mapping()
 
 
 def run(base: str, batches: int, barrier: str, name: str, runs: int = 2) -> int:
