@@ -10,6 +10,12 @@ with different compression must not share files), hashed into a short key. Its d
 * `config.json` the options the service was started with
 * `journal/`  the registry's append-only journal and its snapshot
 * `service.log` stderr of the service and its children
+* `tmp/`      the service's temporary files (multiprocessing's `pymp-*` forkserver directory)
+
+Nothing is left behind (docs/service.md): a service that exits with an empty journal removes its
+directory, and a client that starts sweeps the directories of services that died (`sweep_stale`),
+except those whose journal still holds unconfirmed work: the next service for that configuration
+replays it.
 """
 from __future__ import annotations
 
@@ -120,6 +126,11 @@ class ServicePaths:
     def log_file(self) -> str:
         return os.path.join(self.directory, "service.log")
 
+    @property
+    def tmp_dir(self) -> str:
+        """TMPDIR of the service and its children (their temporary files go with the directory)."""
+        return os.path.join(self.directory, "tmp")
+
     def authkey(self, create: bool = False) -> bytes:
         """The shared secret of this service directory (created once, 0600)."""
         if create and not os.path.exists(self.authkey_file):
@@ -181,5 +192,99 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+# a directory younger than this is never swept: a client may have just made it for a service it starts
+SWEEP_GRACE_S = 30.0
+
+
+def journal_has_work(journal_dir: str) -> bool:
+    """True if the registry journal in `journal_dir` tracks any file (unconfirmed change sets,
+    orphans, pending deletions, intents): work the next service must replay."""
+    if not os.path.isdir(journal_dir):
+        return False
+    from dstl.changelog.upload.service.journal import Journal
+
+    j = Journal(journal_dir)
+    try:
+        st = j.load()
+    finally:
+        j.close()
+    return bool(st.entries or st.orphans or st.pending_delete or st.intents)
+
+
+def remove_if_idle(paths: "ServicePaths", own_pid: Optional[int] = None, lock_timeout_s: float = 5.0) -> bool:
+    """Remove a service directory if no service runs in it (or only `own_pid`, exiting) and its
+    journal holds no work. Under the directory's lock, so no client is starting a service meanwhile."""
+    import shutil
+
+    try:
+        with file_lock(paths.lock, timeout_s=lock_timeout_s):
+            pid = paths.read_pid()
+            if pid is not None and pid != own_pid and pid_alive(pid):
+                return False
+            if journal_has_work(paths.journal_dir):
+                return False
+            shutil.rmtree(paths.directory, ignore_errors=True)
+            return True
+    except (TimeoutError, FileNotFoundError):
+        return False
+
+
+def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_S) -> int:
+    """Remove the directories of services that died (no live pid) with an empty journal; in those
+    kept for their journal, remove the dead service's socket, pid file and temporary files.
+    Returns how many directories were removed."""
+    import shutil
+    import time
+
+    root = root or runtime_root()
+    removed = 0
+    now = time.time()
+    for name in os.listdir(root):
+        d = os.path.join(root, name)
+        try:
+            if not os.path.isdir(d) or now - os.stat(d).st_mtime < grace_s:
+                continue
+        except FileNotFoundError:
+            continue
+        paths = ServicePaths(d)
+        pid = paths.read_pid()
+        if pid is not None and pid_alive(pid):
+            continue
+        if remove_if_idle(paths, lock_timeout_s=0):
+            removed += 1
+        else:  # unconfirmed work: keep the journal for the next service, drop the dead one's leftovers
+            shutil.rmtree(paths.tmp_dir, ignore_errors=True)
+    return removed
+
+
+def sweep_stale(root: Optional[str] = None) -> dict:
+    """What a starting client cleans up: dead services' runtime directories, download caches of dead
+    processes, shared-memory segments whose service and client both died. Never raises."""
+    out = {"runtime_dirs": 0, "download_caches": 0, "segments": 0}
+    try:
+        out["runtime_dirs"] = sweep_runtime_dirs(root)
+    except OSError as exc:
+        _log().warning("could not sweep the runtime directory: %s", exc)
+    try:
+        from dstl.changelog.reader import sweep_download_caches
+
+        out["download_caches"] = sweep_download_caches()
+    except OSError as exc:
+        _log().warning("could not sweep download caches: %s", exc)
+    try:
+        from dstl.changelog.upload.service import shm
+
+        out["segments"] = shm.sweep_orphans(pid_alive)
+    except OSError as exc:
+        _log().warning("could not sweep shared memory segments: %s", exc)
+    return out
+
+
+def _log():
+    import logging
+
+    return logging.getLogger(__name__)
+
+
 __all__ = ["runtime_root", "service_key", "service_fingerprint", "ServicePaths", "file_lock", "pid_alive",
-           "normalize_base_path"]
+           "normalize_base_path", "journal_has_work", "remove_if_idle", "sweep_runtime_dirs", "sweep_stale"]
