@@ -215,7 +215,10 @@ def _segments(pids) -> int:
 
 
 def _files(base: str) -> int:
-    return sum(len(files) for _, _, files in os.walk(base))
+    """Files of the state (checkpoints, changelog, job and lease files): everything under the base
+    path except the committed output, which grows by design (one folder per batch)."""
+    out = os.path.join(base, "output")
+    return sum(len(files) for d, _, files in os.walk(base) if not (d == out or d.startswith(out + os.sep)))
 
 
 def sample(tree: Tree, base: str, batch: int) -> dict:
@@ -406,7 +409,8 @@ def chart(samples: List[dict], kills: List[dict], path: str) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = [("RSS (MB)", ["driver_rss_mb", "jvm_rss_mb", "worker_rss_mb", "service_rss_mb"]),
               ("open file descriptors", ["driver_fds", "worker_fds"]),
-              ("/dev/shm segments", ["shm_segments"]), ("files under the base path", ["base_files"])]
+              ("/dev/shm segments", ["shm_segments"]),
+              ("state files under the base path (output excluded)", ["base_files"])]
     for ax, (title, keys) in zip(axes.flat, panels):
         for k in keys:
             ax.plot(b, [x[k] for x in s], marker=".", label=k.replace("_mb", "").replace("_", " "))
