@@ -94,7 +94,7 @@ def _totals(rows, state):
     return pd.DataFrame({"user": agg.index.tolist(), "events": events, "total": total})
 
 
-def driver(base: str, input_dir: str, ckpt: str, progress: str) -> int:
+def driver(base: str, input_dir: str, ckpt: str, progress: str, materialize_every: str = "") -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
@@ -106,8 +106,9 @@ def driver(base: str, input_dir: str, ckpt: str, progress: str) -> int:
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.sql.shuffle.partitions", "2").config("spark.task.maxFailures", "4").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
+    extra = {"materialize_every": int(materialize_every)} if materialize_every else {}
     stream = StatefulStream(base, _totals, OUTPUT_DDL, key="user", parallelism=2, retain=2,
-                            storage_options={"upload.timeout": "10 s"})
+                            storage_options={"upload.timeout": "10 s"}, **extra)
 
     def each_batch(df, batch_id):
         res = stream(df, batch_id)
@@ -245,10 +246,11 @@ def _last_batch(progress: str) -> int:
     return max((json.loads(x)["batch"] for x in lines if x.strip()), default=-1)
 
 
-def _start_driver(base, inputs, ckpt, progress, log_path, env) -> subprocess.Popen:
+def _start_driver(base, inputs, ckpt, progress, log_path, env, materialize_every=None) -> subprocess.Popen:
     log = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", base, inputs, ckpt, progress],
-                            env=env, stdout=log, stderr=log, start_new_session=True)
+    extra = [str(materialize_every)] if materialize_every else []
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", base, inputs, ckpt, progress,
+                             *extra], env=env, stdout=log, stderr=log, start_new_session=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -290,7 +292,7 @@ def run(args) -> int:
     done_kills: List[dict] = []
     samples: List[dict] = []
     t0 = time.time()
-    proc = _start_driver(base, inputs, ckpt, progress, log_path, env)
+    proc = _start_driver(base, inputs, ckpt, progress, log_path, env, args.materialize_every)
     tree = Tree(proc.pid, runtime)
     next_sample = 0
     try:
@@ -316,7 +318,7 @@ def run(args) -> int:
                     victim = ss[0] if ss else None
                 if what == "driver":
                     _kill_group(proc)
-                    proc = _start_driver(base, inputs, ckpt, progress, log_path, env)
+                    proc = _start_driver(base, inputs, ckpt, progress, log_path, env, args.materialize_every)
                     tree = Tree(proc.pid, runtime)
                     done_kills.append({"at": due[0], "what": what, "pid": None, "batch": batch})
                 elif victim is not None:
@@ -363,6 +365,7 @@ def run(args) -> int:
     running = [s for s in samples if not s.get("after")]
     result = verdict(running, exact, args.smoke)
     result.update(batches=args.batches, keys=args.keys, events_per_batch=args.events_per_batch,
+                  materialize_every=args.materialize_every,
                   seconds=round(elapsed, 1), kills=done_kills, loadavg=open("/proc/loadavg").read().split()[:3],
                   rows=len(got))
     with open(os.path.join(out, "soak.json"), "w") as f:
@@ -428,12 +431,16 @@ def chart(samples: List[dict], kills: List[dict], path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--driver"]:
-        return driver(*argv[1:5])
+        return driver(*argv[1:6])
     p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, default=320)
     p.add_argument("--keys", type=int, default=50_000)
     p.add_argument("--events-per-batch", type=int, default=2_000)
     p.add_argument("--every", type=int, default=10, help="sample every N batches")
+    p.add_argument("--materialize-every", type=int, default=20_000,
+                   help="changes logged per subtask before a compact snapshot (StatefulStream's "
+                        "materialize_every; 0 = its default, 1,000,000). Without a materialization the "
+                        "changelog a checkpoint references grows with every batch")
     p.add_argument("--out", default=None, help="working directory (default: a new temporary one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--smoke", action="store_true", help="8 batches, one kill of each kind")
