@@ -203,11 +203,15 @@ def journal_has_work(journal_dir: str) -> bool:
         return False
     from dstl.changelog.upload.service.journal import Journal
 
-    j = Journal(journal_dir)
-    try:
-        st = j.load()
-    finally:
-        j.close()
+    try:  # a registry process (of a live or a dying service) holds this lock while it uses the journal
+        with file_lock(os.path.join(journal_dir, "lock"), timeout_s=0):
+            j = Journal(journal_dir)
+            try:
+                st = j.load()
+            finally:
+                j.close()
+    except TimeoutError:
+        return True
     return bool(st.entries or st.orphans or st.pending_delete or st.intents)
 
 
