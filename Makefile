@@ -46,7 +46,7 @@ bench-flink: build
 SOAK_ARGS ?=
 soak: build
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
-	$(PY) bench/soak.py --out bench/results/soak $(SOAK_ARGS)
+	$(PY) bench/soak.py --results bench/results $(SOAK_ARGS)
 
 clean:
 	rm -rf build dstl/_fast/*.c dstl/_fast/*.so

@@ -371,6 +371,13 @@ def run(args) -> int:
     with open(os.path.join(out, "soak.json"), "w") as f:
         json.dump({"result": result, "samples": samples}, f, indent=1)
     chart(samples, done_kills, os.path.join(out, "soak.png"))
+    if args.results:  # the chart and the figures, without the run's input and state
+        import shutil
+
+        os.makedirs(args.results, exist_ok=True)
+        for name in ("soak.json", "soak.png"):
+            if os.path.exists(os.path.join(out, name)):
+                shutil.copy(os.path.join(out, name), os.path.join(args.results, name))
     print(json.dumps(result, indent=1))
     print(f"soak: {'PASS' if result['pass'] else 'FAIL'}; chart {os.path.join(out, 'soak.png')}", flush=True)
     return 0 if result["pass"] else 1
@@ -442,6 +449,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "materialize_every; 0 = its default, 1,000,000). Without a materialization the "
                         "changelog a checkpoint references grows with every batch")
     p.add_argument("--out", default=None, help="working directory (default: a new temporary one)")
+    p.add_argument("--results", default=None, help="copy soak.json and soak.png here (make soak: bench/results)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--smoke", action="store_true", help="8 batches, one kill of each kind")
     args = p.parse_args(argv)
