@@ -138,6 +138,7 @@ def _children(pid: int) -> List[int]:
                     pass
         except OSError:
             pass
+        kids = [k for k in dict.fromkeys(kids) if k not in out]  # a pid listed twice is counted once
         out += kids
         todo += kids
     return out
