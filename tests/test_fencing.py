@@ -229,3 +229,11 @@ def test_two_concurrent_writers_exactly_one_wins(store, tmp_path, request):
     assert not [f for f in others if "_staging" in f or "inprogress" in f]
     assert len([f for f in others if f.startswith(f"{LEASE_DIR}/")]) == 1
     assert len([f for f in others if f.startswith("checkpoints/")]) == 2
+
+
+def test_errors_are_public():
+    import dstl
+    from dstl.changelog.fs import StoreUnreachableError
+
+    assert dstl.BasePathInUseError is BasePathInUseError and issubclass(BasePathInUseError, dstl.DstlError)
+    assert dstl.StoreUnreachableError is StoreUnreachableError and issubclass(StoreUnreachableError, OSError)
