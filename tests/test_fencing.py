@@ -90,7 +90,16 @@ def _report(storage_opts, coord, plan, subtask: int, value: int):
     return TaskReport(**run_subtask(plan, fn, rows, subtask, 0, schema))
 
 
-def test_a_replaced_coordinator_fails_before_it_writes_commits_or_deletes():
+@pytest.fixture
+def worker_cache():
+    """run_subtask keeps its storages (and their upload threads) for the process: close them after."""
+    from dstl.spark import cache
+
+    yield
+    cache.shutdown()
+
+
+def test_a_replaced_coordinator_fails_before_it_writes_commits_or_deletes(worker_cache):
     """memory:// has no atomic create: the lease alone fences. The old run's checkpoint is refused
     before anything is written, its staged output is removed, and its finish() deletes nothing."""
     from dstl.state.metadata import list_checkpoints
