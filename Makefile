@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install build test test-cython test-pure demo bench clean
+.PHONY: install build test test-cython test-pure demo bench soak clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ bench: build
 bench-flink: build
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
 	$(PY) bench/flink/run.py
+
+# ~20+ min on 2 cores, outside `make test`: a long StatefulStream with SIGKILLs, sampled and charted
+# (docs/benchmarks.md, "Soak"). SOAK_ARGS=--smoke for a quick check.
+SOAK_ARGS ?=
+soak: build
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
+	$(PY) bench/soak.py --results bench/results $(SOAK_ARGS)
 
 clean:
 	rm -rf build dstl/_fast/*.c dstl/_fast/*.so

@@ -46,6 +46,7 @@ _EXPORTS: Dict[str, str] = {
     "operator_indices_for_key_groups": "dstl.keygroups",
     "KeyedStateBackend": "dstl.state", "ValueState": "dstl.state", "ListState": "dstl.state",
     "MapState": "dstl.state", "OperatorListState": "dstl.state", "CheckpointMetadata": "dstl.state",
+    "BasePathInUseError": "dstl.state.fencing", "StoreUnreachableError": "dstl.changelog.fs",
 }
 
 # public subpackages, imported on first attribute access (`import dstl; dstl.format.decode_file(...)`)

@@ -42,9 +42,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     _wanted.clear()
     _wanted.update(a for a in argv[:1] if a in COMMANDS)
     args = build_parser().parse_args(argv)
+    url = _remote_url(args)
     try:
+        if url is not None and args.command != "pipeline":  # the pipeline probes its paths itself
+            from dstl.changelog.fs import probe_base_path
+
+            probe_base_path(url)
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # an unreachable store: one line naming URL and cause, no traceback
+        from dstl.changelog.fs import StoreUnreachableError, unreachable_reason
+
+        if isinstance(exc, StoreUnreachableError):
+            line = str(exc)
+        else:
+            reason = unreachable_reason(exc, url or "")
+            if reason is None:
+                raise
+            line = f"cannot reach {url or 'the store'}: {reason}"
+        name = " ".join(a for a in (args.command, getattr(args, "state_command", None)) if a)
+        print(f"dstl {name}: error: {line}", file=sys.stderr)
+        return 2
+
+
+# argument names that hold the path or URL a subcommand reads
+_URL_ARGS = ("base_path", "base_url", "url", "file", "path")
+
+
+def _remote_url(args) -> Optional[str]:
+    """The remote (non-local) URL a subcommand works on, if any."""
+    for name in _URL_ARGS:
+        v = getattr(args, name, None)
+        if isinstance(v, str) and "://" in v and not v.startswith("file://"):
+            return v
+    return None

@@ -10,6 +10,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 PREFIX = "dstl.dfs."
 PREFIX_2X = "state.changelog.dstl.dfs."
+#: `dstl.dfs.fs.<name>`: keyword argument `<name>` of the base path's fsspec file system
+#: (endpoint_url, key, secret, client_kwargs, ...); kept in memory, never written (docs/options.md)
+FS_PREFIX = "fs."
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 
@@ -196,6 +199,14 @@ def canonical_key(field_or_suffix: str) -> str:
     return PREFIX + opt.suffix
 
 
+def _fs_option_of(key: str) -> Optional[str]:
+    """`"dstl.dfs.fs.endpoint_url"` -> `"endpoint_url"`; None for other keys."""
+    for prefix in (PREFIX_2X, PREFIX):
+        if key.startswith(prefix + FS_PREFIX):
+            return key[len(prefix + FS_PREFIX):] or None
+    return None
+
+
 def _suffix_of(key: str) -> Optional[str]:
     for prefix in (PREFIX_2X, PREFIX):  # the 2.x prefix contains the 1.x one: test it first
         if key.startswith(prefix):
@@ -224,6 +235,9 @@ class StorageConfig:
     next_attempt_delay_ms: int = 500
     cache_idle_timeout_ms: int = 600_000
     upload_mode: str = "process"  # the host's upload service (docs/options.md); "thread" keeps uploads in-process
+    #: fsspec keyword arguments of the base path's file system (credentials among them): never in
+    #: repr, logs, config files or the base path; registered in memory for the base path (dstl.changelog.fs)
+    fs_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # Direct construction goes through the same parsers, so Flink strings work here too.
@@ -231,7 +245,16 @@ class StorageConfig:
             key = PREFIX + opt.suffix
             parsed = opt.parse(getattr(self, opt.field), key)
             object.__setattr__(self, opt.field, parsed)
+        fs_options = self.fs_options
+        if not isinstance(fs_options, Mapping) or not all(isinstance(k, str) and k for k in fs_options):
+            raise ValueError(f"option '{PREFIX}{FS_PREFIX}*': fsspec options must be a mapping of "
+                             f"keyword names, got {type(fs_options).__name__}")
+        object.__setattr__(self, "fs_options", dict(fs_options))
         self._validate()
+        if self.fs_options:
+            from dstl.changelog.fs import register_options
+
+            register_options(self.base_path, self.fs_options)
 
     def _validate(self) -> None:
         def need(ok: bool, field: str, why: str) -> None:
@@ -264,13 +287,19 @@ class StorageConfig:
             raise TypeError(f"options must be a mapping of option keys, got {type(mapping).__name__}")
         values: Dict[str, Any] = {}
         seen_key: Dict[str, str] = {}
+        fs_options: Dict[str, Any] = {}
         for key, raw in mapping.items():
             if not isinstance(key, str):
                 raise ValueError(f"option keys must be strings, got {key!r}")
+            fs_name = _fs_option_of(key)
+            if fs_name is not None:
+                fs_options[fs_name] = raw
+                continue
             suffix = _suffix_of(key)
             if suffix is None:
                 raise ValueError(f"unknown option {key!r} (dstl options are {PREFIX}<suffix> or "
-                                 f"{PREFIX_2X}<suffix>; suffixes: {', '.join(_BY_SUFFIX)})")
+                                 f"{PREFIX_2X}<suffix>; suffixes: {', '.join(_BY_SUFFIX)}; fsspec "
+                                 f"options are {PREFIX}{FS_PREFIX}<name>)")
             opt = _BY_SUFFIX[suffix]
             parsed = opt.parse(raw, key)
             if opt.field in values and values[opt.field] != parsed:
@@ -280,14 +309,22 @@ class StorageConfig:
             seen_key[opt.field] = key
         if "base_path" not in values:
             raise ValueError(f"missing required option {PREFIX}base-path (or {PREFIX_2X}base-path)")
-        return cls(**values)
+        return cls(**values, fs_options=fs_options)
 
     @classmethod
-    def from_options(cls, base_path: Any = None, **options: Any) -> "StorageConfig":
-        """Keyword form: suffixes with '.'/'-' as '_' (`batch_persist_delay="10 ms"`) or field names."""
+    def from_options(cls, base_path: Any = None, *, fs_options: Optional[Mapping[str, Any]] = None,
+                     **options: Any) -> "StorageConfig":
+        """Keyword form: suffixes with '.'/'-' as '_' (`batch_persist_delay="10 ms"`) or field names;
+        `fs_options`: the fsspec file system's keyword arguments (endpoint_url, key, secret, ...)."""
         mapping: Dict[str, Any] = {}
         if base_path is not None:
             mapping[PREFIX + "base-path"] = base_path
+        if fs_options is not None:
+            if not isinstance(fs_options, Mapping):
+                raise ValueError(f"fs_options must be a mapping of fsspec keyword arguments, got "
+                                 f"{type(fs_options).__name__}")
+            for name, value in fs_options.items():
+                mapping[f"{PREFIX}{FS_PREFIX}{name}"] = value
         for name, value in options.items():
             opt = _BY_KWARG.get(name) or _BY_FIELD.get(name)
             if opt is None:
@@ -303,8 +340,10 @@ class StorageConfig:
         """A StorageConfig as is, or one built from a mapping of option keys."""
         return config if isinstance(config, StorageConfig) else cls.from_mapping(config)
 
-    def to_mapping(self, as_strings: bool = False) -> Dict[str, Any]:
-        """Canonical `dstl.dfs.*` keys; `as_strings=True` writes Flink syntax ("10 ms", "5242880 b")."""
+    def to_mapping(self, as_strings: bool = False, *, with_fs_options: bool = True) -> Dict[str, Any]:
+        """Canonical `dstl.dfs.*` keys; `as_strings=True` writes Flink syntax ("10 ms", "5242880 b").
+        fsspec options come as `dstl.dfs.fs.<name>` unless `with_fs_options=False` (anything written
+        to a file must leave them out: they may hold credentials)."""
         out: Dict[str, Any] = {}
         for opt in OPTIONS:
             value = getattr(self, opt.field)
@@ -318,6 +357,9 @@ class StorageConfig:
                 elif opt.kind == "int":
                     value = str(value)
             out[PREFIX + opt.suffix] = value
+        if with_fs_options:
+            for name, value in self.fs_options.items():
+                out[f"{PREFIX}{FS_PREFIX}{name}"] = value
         return out
 
     def replace(self, **changes: Any) -> "StorageConfig":
@@ -326,4 +368,4 @@ class StorageConfig:
 
 
 __all__ = ["StorageConfig", "parse_duration_ms", "parse_memory_size", "parse_bool", "parse_int",
-           "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X"]
+           "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X", "FS_PREFIX"]

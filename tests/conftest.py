@@ -123,3 +123,6 @@ def _dstl_upload_services():
 
     with session_runtime():
         yield
+    from dstl.changelog.reader import sweep_download_caches
+
+    sweep_download_caches()  # caches of Python workers Spark killed (no later process would sweep them)

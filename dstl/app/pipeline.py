@@ -346,6 +346,7 @@ class Report:
 def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
     """Run (or resume) the job; returns the report. Raises UsageError for bad options/paths."""
     from dstl.keygroups import compute_default_max_parallelism
+    from dstl.changelog.fs import StoreUnreachableError, probe_base_path
     from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
 
     args = opts.args
@@ -355,11 +356,12 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
     spec = JobSpec.new(OPERATOR_ID, maxp, opts.output, source.params())
     backend_options = {"materialize_every_changes": args.materialize_every} if args.materialize_every else {}
     try:
+        probe_base_path(args.base_path)  # no credentials, no bucket: one line before any task
         coord = CheckpointCoordinator.open(args.base_path, spec, opts.storage, resume=args.resume,
                                            retain=args.retain, backend_options=backend_options,
                                            durable=args.state == "dstl",
                                            resume_from=getattr(args, "from_checkpoint", None))
-    except JobConflictError as exc:
+    except (JobConflictError, StoreUnreachableError) as exc:
         raise UsageError(str(exc)) from None
     maxp = coord.spec.max_parallelism
     if args.parallelism > maxp:

@@ -14,6 +14,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import weakref
 import threading
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -111,6 +112,41 @@ class _Entry:
         self.size = 0
 
 
+CACHE_PREFIX = "dstl-download-cache-"
+_swept = False
+
+
+def sweep_download_caches(directory: Optional[str] = None) -> int:
+    """Remove `dstl-download-cache-<pid>-*` directories whose process is gone; returns how many."""
+    from dstl.changelog.upload.service.runtime import pid_alive
+
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(CACHE_PREFIX):
+            continue
+        pid = name[len(CACHE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _sweep_once() -> None:
+    global _swept
+    if not _swept:
+        _swept = True
+        try:
+            sweep_download_caches()
+        except OSError:
+            pass
+
+
 class DownloadCache:
     """Decoded downloads of remote changelog files in local temp files (docs/semantics.md §11).
 
@@ -123,7 +159,11 @@ class DownloadCache:
         self.idle_timeout_ms = idle_timeout_ms
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
-        self.directory = tempfile.mkdtemp(prefix="dstl-download-cache-", dir=directory)
+        _sweep_once()
+        # the owner's pid in the name: a later process removes the caches of dead ones
+        self.directory = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=directory)
+        # a cache nobody closed goes with its object, or at the latest when the interpreter exits
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._entries: Dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._timer = TimerThread("dstl-cache-expiry")
@@ -271,7 +311,7 @@ class DownloadCache:
         self._timer.shutdown(wait=True)
         for entry in entries:
             self._delete(entry)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._finalizer()  # removes the directory (once)
 
     @property
     def closed(self) -> bool:

@@ -149,6 +149,13 @@ class FsStateChangelogStorage:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def broken(self) -> bool:
+        """True when the upload service this storage used has died: every later upload would fail,
+        so the owner should close it and open a new one (which starts a new service)."""
+        conn = getattr(self.scheduler, "connection", None)
+        return conn is not None and getattr(conn, "broken", None) is not None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the changelog storage is closed")

@@ -146,7 +146,7 @@ def storage_for(job_id: str, options: Mapping[str, Any]):
     key = (job_id, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _storages_lock:
         storage = _storages.get(key)
-        if storage is None or storage.closed:
+        if storage is None or storage.closed or storage.broken:  # broken: its upload service died
             storage = FsStateChangelogStorage(dict(options), job_id=job_id)
             _storages[key] = storage
         return storage

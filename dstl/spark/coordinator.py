@@ -127,6 +127,7 @@ class CheckpointCoordinator:
         self._known_files: Dict[str, int] = {}
         self.recovered_output = False
         self.rolled_back = None  # RollbackResult when opened with resume_from
+        self.lease = None  # WriterLease: this run's claim on the base path (dstl.state.fencing)
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
@@ -169,16 +170,20 @@ class CheckpointCoordinator:
                 raise JobConflictError(f"base path {base} already holds checkpoints of another job; "
                                        f"use another base path")
             fs.makedirs(root, exist_ok=True)
-            _write_job_file(fs, job_file, base, spec)
-            return cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
-                       durable=durable, output_layout=output_layout)
+            _write_job_file(fs, job_file, base, spec, exclusive=True)  # two new jobs: one wins here
+            coord = cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
+                        durable=durable, output_layout=output_layout)
+            coord.lease = _take_over(base, spec.job_id)
+            return coord
         if stored is None:
             raise JobConflictError(f"nothing to resume: base path {base} holds no dstl job ({JOB_FILE} missing)")
         _check_same(stored, spec, base)
+        lease = _take_over(base, stored.job_id)  # before this run changes anything at the base path
         if stored_raw and stored.output_path and relative_to(base, stored.output_path) != stored_raw:
             _write_job_file(fs, job_file, base, stored)  # upgrade an absolute-path job file
         coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options,
                     output_layout=output_layout)
+        coord.lease = lease
         from dstl.spark.rollback import finish_roll_back, roll_back
         from dstl.state.metadata import CheckpointJobMismatchError
         from dstl.state.reader import StateReadError
@@ -256,6 +261,9 @@ class CheckpointCoordinator:
                 files.append([relative_to(self.base_path, r.staged),
                               relative_to(self.base_path, self._final_path(plan.batch, r.subtask))])
         props = dict(properties or {})
+        if self.lease is not None:
+            props["writer"] = {"epoch": self.lease.epoch, "writer": self.lease.writer,
+                               "started_at": self.lease.started_at}
         props.update({"batch": plan.batch, "job_id": self.spec.job_id, "operator_id": self.spec.operator_id,
                       "tokens": [r.token for r in ordered],
                       "output": {"batch": plan.batch, "files": files},
@@ -263,11 +271,20 @@ class CheckpointCoordinator:
         meta = CheckpointMetadata(plan.checkpoint_id, plan.max_parallelism, plan.parallelism, subtasks, props,
                                   job_id=self.spec.job_id)
         t0 = time.perf_counter()
-        write_checkpoint(self.base_path, meta)
+        self._check_lease(ordered)
+        try:
+            write_checkpoint(self.base_path, meta)
+        except FileExistsError as exc:  # another run completed this checkpoint first
+            self._drop_staged(ordered)
+            from dstl.state.fencing import BasePathInUseError
+
+            holder = dict(getattr(exc, "holder", None) or {"job_id": self.spec.job_id})
+            raise BasePathInUseError(self.base_path, holder) from exc
         t1 = time.perf_counter()
         self.latest = meta
         if after_metadata is not None:
             after_metadata()  # checkpoint durable, output not yet committed (a fault point's place)
+        self._check_lease(())  # taken over meanwhile: the new run commits this checkpoint's output
         self.commit_output(meta)
         t2 = time.perf_counter()
         new_files, new_bytes, deleted = self.collect_garbage()
@@ -284,10 +301,35 @@ class CheckpointCoordinator:
         meta = SimpleNamespace(checkpoint_id=plan.checkpoint_id,
                                properties={"batch": plan.batch, "output": {"batch": plan.batch, "files": files}})
         t0 = time.perf_counter()
+        self._check_lease(ordered)
         self.commit_output(meta)
         self._memory_batch = plan.batch
         return CheckpointStats(plan.checkpoint_id, plan.batch, 0.0, (time.perf_counter() - t0) * 1e3, 0.0,
                                0, 0, 0, 0)
+
+    # ---------------------------------------------------------------- fencing
+    def _check_lease(self, reports: Sequence[TaskReport]) -> None:
+        """Fail (BasePathInUseError) if another run took the base path over; this run's staged
+        output of the batch (files only it wrote, token-named) is removed first."""
+        if self.lease is None:
+            return
+        from dstl.state.fencing import BasePathInUseError
+
+        try:
+            self.lease.check()
+        except BasePathInUseError:
+            self._drop_staged(reports)
+            raise
+
+    def _drop_staged(self, reports: Sequence[TaskReport]) -> None:
+        for r in reports:
+            if not r.staged:
+                continue
+            try:
+                fs, path = _fs(r.staged)
+                fs.rm_file(path)
+            except (FileNotFoundError, OSError):
+                pass
 
     # ---------------------------------------------------------------- output (two-phase commit)
     def _final_path(self, batch: int, subtask: int) -> str:
@@ -372,6 +414,7 @@ class CheckpointCoordinator:
         """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted)."""
         from dstl.state.metadata import list_checkpoints, remove_checkpoint
 
+        self._check_lease(())  # deletes nothing on a base path another run has taken over
         for cid in list_checkpoints(self.base_path)[:-self.retain]:
             remove_checkpoint(self.base_path, cid)
         files = self.changelog_files()
@@ -393,6 +436,7 @@ class CheckpointCoordinator:
 
     def finish(self) -> int:
         """End of a successful run (no task running): delete every unreferenced changelog file."""
+        self._check_lease(())
         if self.spec.output_path:
             fs, root = _fs(self.spec.output_path)
             staging = _join(root, "_staging")
@@ -408,12 +452,35 @@ class CheckpointCoordinator:
         return self.collect_garbage(final=True)[2]
 
 
-def _write_job_file(fs, job_file: str, base: str, spec: JobSpec) -> None:
+def _write_job_file(fs, job_file: str, base: str, spec: JobSpec, exclusive: bool = False) -> None:
+    from dstl.changelog.fs import create_file
+
     d = asdict(spec)
     if d.get("output_path"):
         d["output_path"] = relative_to(base, d["output_path"])
-    with fs.open(job_file, "wb") as f:
-        f.write(json.dumps(d, indent=1, sort_keys=True).encode())
+    data = json.dumps(d, indent=1, sort_keys=True).encode()
+    if not exclusive:
+        with fs.open(job_file, "wb") as f:
+            f.write(data)
+        return
+    try:
+        create_file(fs, job_file, data)
+    except FileExistsError:  # another new job created it a moment ago
+        from dstl.state.fencing import BasePathInUseError, current_holder
+
+        holder = None
+        for _ in range(20):  # the winner takes its lease right after creating the job file
+            holder = current_holder(base)
+            if holder is not None:
+                break
+            time.sleep(0.05)
+        raise BasePathInUseError(base, holder or {}) from None
+
+
+def _take_over(base: str, job_id: str):
+    from dstl.state.fencing import WriterLease
+
+    return WriterLease.acquire(base, job_id)
 
 
 def _same_place(base: str, a: str, b: str) -> bool:

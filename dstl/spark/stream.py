@@ -191,11 +191,12 @@ class StatefulStream:
         the next one (docs/streaming.md, "Rolling back, bootstrapping, rescaling offline")."""
         if self.coordinator is not None:
             return self.coordinator
-        from dstl.changelog.fs import filesystem
+        from dstl.changelog.fs import filesystem, probe_base_path
         from dstl.keygroups import compute_default_max_parallelism
         from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, JobConflictError, JobSpec
         from dstl.spark.sink import OUTPUT_LAYOUT
 
+        probe_base_path(self.base_path)  # no credentials, no bucket: one message now, not after task retries
         fs, root = filesystem(self.base_path)
         exists = fs.exists(f"{root}/{JOB_FILE}")
         if self.resume_from is not None and not exists:

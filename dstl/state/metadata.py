@@ -39,7 +39,7 @@ _READABLE_VERSIONS = (1,)
 __all__ = [
     "SubtaskState", "CheckpointMetadata", "CorruptCheckpointError", "CheckpointJobMismatchError",
     "write_checkpoint", "read_checkpoint", "latest_checkpoint", "list_checkpoints", "retained_files",
-    "checkpoint_path", "remove_checkpoint", "base_of_metadata_file",
+    "checkpoint_path", "remove_checkpoint", "base_of_metadata_file", "CheckpointExistsError",
 ]
 
 
@@ -312,7 +312,7 @@ def checkpoint_path(base_path: str, checkpoint_id: int) -> str:
                  METADATA_FILE)
 
 
-def _write_local(path: str, data: bytes, overwrite: bool) -> None:
+def _write_local(path: str, data: bytes) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
@@ -321,15 +321,7 @@ def _write_local(path: str, data: bytes, overwrite: bool) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, whole
-        else:
-            try:
-                os.link(tmp, path)  # atomic and exclusive: a concurrent writer of this id loses cleanly
-            except FileExistsError:
-                raise FileExistsError(f"checkpoint metadata {path} already exists") from None
-            except OSError:  # no hard links on this filesystem: rename after the earlier check
-                os.replace(tmp, path)
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, whole
     finally:
         try:
             os.unlink(tmp)
@@ -344,28 +336,38 @@ def _write_local(path: str, data: bytes, overwrite: bool) -> None:
 
 def _write_remote(fs, path: str, data: bytes) -> None:
     directory = path.rsplit("/", 1)[0]
-    tmp = _join(directory, f"{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
-    try:
-        fs.makedirs(directory, exist_ok=True)
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, path)  # object stores: copy then delete; only the final key counts
-    finally:
-        try:
-            if fs.exists(tmp):
-                fs.rm_file(tmp)
-        except (FileNotFoundError, OSError):
-            pass
+    fs.makedirs(directory, exist_ok=True)
+    fs.pipe_file(path, data)  # one PUT on object stores: the object appears whole or not at all
     fs.invalidate_cache(directory)
-    size = fs.info(path)["size"]
-    if size != len(data):
-        raise OSError(f"{path}: wrote {len(data)} bytes but the store holds {size}")
+
+
+class CheckpointExistsError(FileExistsError, DstlError):
+    """A checkpoint id another writer (or an earlier attempt) completed first."""
+
+    def __init__(self, message: str, holder: Optional[Dict[str, Any]] = None):
+        super().__init__(message)
+        self.holder = holder or {}
+
+
+def _writer_of(fs, root: str, checkpoint_id: int) -> Dict[str, Any]:
+    """Who wrote an existing checkpoint: its job id and the run's start (properties["writer"])."""
+    try:
+        meta = _read(fs, root, checkpoint_id, None)
+    except (CorruptCheckpointError, FileNotFoundError, OSError):
+        return {}
+    info = dict(meta.properties.get("writer") or {})
+    info.setdefault("job_id", meta.job_id)
+    return info
 
 
 def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite: bool = False) -> str:
     """Write `metadata` atomically to `<base>/checkpoints/chk-<id>/_metadata`; returns that path.
 
     Refuses (CheckpointJobMismatchError) when the base path holds checkpoints of another job id, and
-    (FileExistsError) to replace a completed checkpoint unless `overwrite`.
+    (CheckpointExistsError, a FileExistsError) to replace a completed checkpoint unless `overwrite`.
+    Without `overwrite` the create is exclusive and atomic on local disk and S3 (dstl.changelog.fs.
+    create_file): of two writers racing for one id exactly one succeeds; other stores rely on the
+    writer lease (dstl.state.fencing).
     """
     if not isinstance(metadata, CheckpointMetadata):
         raise TypeError(f"expected CheckpointMetadata, got {type(metadata).__name__}")
@@ -378,13 +380,32 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
                 "use another base path (or the same job id to continue that job)")
     path = _join(root, CHECKPOINTS_DIR, f"chk-{metadata.checkpoint_id}", METADATA_FILE)
     fs.invalidate_cache(path.rsplit("/", 1)[0])
-    if not overwrite and fs.exists(path):
-        raise FileExistsError(f"checkpoint {metadata.checkpoint_id} already exists at {checkpoint_path(base_path, metadata.checkpoint_id)}")
     data = metadata.to_bytes(base=base_path)
-    if _is_local(fs):
-        _write_local(path, data, overwrite)
+    if overwrite:
+        if _is_local(fs):
+            _write_local(path, data)
+        else:
+            _write_remote(fs, path, data)
     else:
-        _write_remote(fs, path, data)
+        try:
+            dfs.create_file(fs, path, data)
+        except FileExistsError:
+            holder = _writer_of(fs, root, metadata.checkpoint_id)
+            who = ""
+            if holder.get("job_id"):
+                who = f" by job {holder['job_id']}"
+                if holder.get("started_at"):
+                    who += f" (query started at {holder['started_at']})"
+            raise CheckpointExistsError(
+                f"checkpoint {metadata.checkpoint_id} already exists at "
+                f"{checkpoint_path(base_path, metadata.checkpoint_id)}, written{who or ' earlier'}; "
+                f"base path {base_path.rstrip('/') if isinstance(base_path, str) else base_path} is being "
+                "written by another run: stop that query, or use another base path", holder) from None
+    if not _is_local(fs):
+        fs.invalidate_cache(path.rsplit("/", 1)[0])
+        size = fs.info(path)["size"]
+        if size != len(data):
+            raise OSError(f"{path}: wrote {len(data)} bytes but the store holds {size}")
     return checkpoint_path(base_path, metadata.checkpoint_id)
 
 

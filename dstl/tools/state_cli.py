@@ -6,9 +6,12 @@
 * `changes BASE --from N --to M [--key K] [--state NAME]`: the changes between two checkpoints.
 * `rescale BASE --max-parallelism M [--parallelism P]`: rewrite the latest checkpoint's state into
   a new checkpoint with M key groups (dstl.state.rescale); the job continues from it.
+* `verify BASE`: every file the retained checkpoints reference exists with its recorded length.
 
-A readable table by default, `--json` for scripts. Exit codes: 0 ok, 2 a bad path, an unknown
-checkpoint or state, or a bad option (one line on stderr).
+`ls` lists every checkpoint and marks the bad ones (torn metadata, missing or short files) instead
+of stopping at the first. A readable table by default, `--json` for scripts. Exit codes: 0 ok, 1
+`verify` found a problem, 2 a bad or unreachable path, an unknown checkpoint or state, or a bad
+option (one line on stderr).
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     show = sub.add_parser("show", help="print the live state of a checkpoint")
     changes = sub.add_parser("changes", help="print the state changes between two checkpoints")
     rescale = sub.add_parser("rescale", help="rewrite the latest checkpoint with another max parallelism")
-    for q in (ls, show, changes, rescale):
+    verify = sub.add_parser("verify", help="check that every file the retained checkpoints need exists "
+                                           "with the right length")
+    for q in (ls, show, changes, rescale, verify):
         q.add_argument("base_path", metavar="BASE", help="the job's base path (any fsspec URL)")
         q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     show.add_argument("--state", default=None, help="only this state")
@@ -132,22 +137,102 @@ def checkpoint_summary(base_path: str, meta) -> Dict[str, Any]:
     }
 
 
-def _ls(args) -> int:
-    from dstl.state.metadata import list_checkpoints, read_checkpoint
-    from dstl.state.reader import open_checkpoint
+def _bad_row(checkpoint_id: int, problem: str, detail: str) -> Dict[str, Any]:
+    return {"checkpoint_id": checkpoint_id, "ok": False, "problem": problem, "detail": detail}
 
-    open_checkpoint(args.base_path)  # a clear error when there is nothing
-    out = [checkpoint_summary(args.base_path, read_checkpoint(args.base_path, c))
-           for c in list_checkpoints(args.base_path)]
+
+def _ls(args) -> int:
+    from dstl.state.metadata import CorruptCheckpointError, list_checkpoints, read_checkpoint
+    from dstl.state.reader import StateReadError
+
+    ids = list_checkpoints(args.base_path)
+    if not ids:
+        from dstl.state.reader import open_checkpoint
+
+        open_checkpoint(args.base_path)  # the reader's clear error when there is nothing
+    out = []
+    for c in ids:  # one bad checkpoint is marked, the others are still listed
+        try:
+            meta = read_checkpoint(args.base_path, c)
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
+            out.append(_bad_row(c, "torn or unreadable _metadata", str(exc)))
+            continue
+        missing = _file_problems(meta)
+        if missing:
+            out.append(_bad_row(c, f"{len(missing)} file(s) missing or short", "; ".join(missing)))
+            continue
+        try:
+            row = checkpoint_summary(args.base_path, meta)
+        except (StateReadError, FileNotFoundError, ValueError, OSError) as exc:
+            out.append(_bad_row(c, "cannot restore", str(exc)))
+            continue
+        row.update(ok=True, problem=None)
+        out.append(row)
     if args.json:
         print(json.dumps({"base_path": args.base_path, "checkpoints": out}, indent=1))
         return 0
-    rows = [(c["checkpoint_id"], c["time"], f"{c['parallelism']}/{c['max_parallelism']}",
-             ", ".join(f"{n}({k})" for n, k in c["states"].items()) or "-", c["live_keys"], _size(c["bytes"]),
-             _size(c["materialized_bytes"]), _size(c["log_bytes"])) for c in out]
+    rows = []
+    for c in out:
+        if not c["ok"]:
+            rows.append((c["checkpoint_id"], "-", "-", "-", "-", "-", "-", "-", "BAD: " + c["problem"]))
+            continue
+        rows.append((c["checkpoint_id"], c["time"], f"{c['parallelism']}/{c['max_parallelism']}",
+                     ", ".join(f"{n}({k})" for n, k in c["states"].items()) or "-", c["live_keys"],
+                     _size(c["bytes"]), _size(c["materialized_bytes"]), _size(c["log_bytes"]), "ok"))
     print(_table(rows, ["id", "time (UTC)", "par/max", "states (live keys)", "keys", "bytes", "materialized",
-                        "log"]))
+                        "log", "status"]))
     return 0
+
+
+def _file_problems(meta) -> List[str]:
+    """`path: missing` / `path: N bytes, the checkpoint needs M` for each file `meta` references."""
+    from dstl.changelog import fs as dfs
+
+    need: Dict[str, int] = {}
+    for s in meta.subtasks:
+        for h in s.materialized + s.changelog:
+            for f, _ in h.handles_and_offsets:
+                need[f.path] = max(need.get(f.path, 0), f.size)
+    problems = []
+    for path, size in sorted(need.items()):
+        fs, p = dfs.filesystem(path)
+        try:
+            got = int(fs.info(p).get("size") or 0)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        if got < size:
+            problems.append(f"{path}: {got} bytes, the checkpoint needs at least {size}")
+    return problems
+
+
+def _verify(args) -> int:
+    from dstl.state.metadata import CorruptCheckpointError, list_checkpoints, read_checkpoint
+
+    ids = list_checkpoints(args.base_path)
+    if not ids:
+        from dstl.state.reader import open_checkpoint
+
+        open_checkpoint(args.base_path)
+    report = []
+    for c in ids:
+        try:
+            meta = read_checkpoint(args.base_path, c)
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
+            report.append({"checkpoint_id": c, "files": 0, "problems": [f"unreadable metadata: {exc}"]})
+            continue
+        report.append({"checkpoint_id": c, "files": len(meta.files()), "problems": _file_problems(meta)})
+    bad = [r for r in report if r["problems"]]
+    if args.json:
+        print(json.dumps({"base_path": args.base_path, "ok": not bad, "checkpoints": report}, indent=1))
+    else:
+        for r in report:
+            state = "ok" if not r["problems"] else f"{len(r['problems'])} problem(s)"
+            print(f"checkpoint {r['checkpoint_id']}: {r['files']} files, {state}")
+            for p in r["problems"]:
+                print(f"  {p}")
+        print(f"{len(report) - len(bad)} of {len(report)} checkpoints complete")
+    return 1 if bad else 0
 
 
 # ------------------------------------------------------------------ show and changes
@@ -188,7 +273,10 @@ def _show(args) -> int:
     _, key_type = first_look(meta)
     df = read_state_pandas(args.base_path, args.state, checkpoint_id=meta.checkpoint_id,
                            key=_key_arg(args.key, key_type))
-    _frame_out(df, args, ["key", "key_group", "state", "kind", "user_key", "position", "value"])
+    columns = ["key", "key_group", "state", "kind", "user_key", "position"]
+    # a state with a declared schema (every StatefulProcessor state) has its fields as columns
+    columns += ["value"] if "value" in df.columns else [c for c in df.columns if c not in columns]
+    _frame_out(df, args, columns)
     return 0
 
 
@@ -219,7 +307,8 @@ def _rescale(args) -> int:
 def run(args) -> int:
     from dstl.state.reader import StateReadError
 
-    handler = {"ls": _ls, "show": _show, "changes": _changes, "rescale": _rescale}[args.state_command]
+    handler = {"ls": _ls, "show": _show, "changes": _changes, "rescale": _rescale,
+               "verify": _verify}[args.state_command]
     try:
         return handler(args)
     except (StateReadError, _Usage, FileNotFoundError) as exc:

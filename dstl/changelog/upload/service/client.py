@@ -70,11 +70,17 @@ def _start_service(paths: ServicePaths, config) -> int:
     import json
 
     tmp = paths.config_file + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(config.replace(upload_mode="thread").to_mapping(as_strings=True), f)
+    with open(tmp, "w") as f:  # never the fsspec options: they may hold credentials
+        json.dump(config.replace(upload_mode="thread").to_mapping(as_strings=True, with_fs_options=False), f)
     os.replace(tmp, paths.config_file)
     paths.authkey(create=True)
     env = dict(os.environ)
+    from dstl.changelog.fs import options_env
+
+    env.update(options_env(config.base_path, config.fs_options))  # in the service's memory only
+    # the service's temporary files (multiprocessing's pymp-* directory) live and go with its directory
+    os.makedirs(paths.tmp_dir, mode=0o700, exist_ok=True)
+    env["TMPDIR"] = paths.tmp_dir
     root = _package_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     out = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, paths.log_file, sys.executable, "-m",
@@ -111,7 +117,8 @@ def _connect(paths: ServicePaths, config, tries: int = 3):
     for n in range(tries):
         try:
             return _connect_once(paths, config)
-        except (EOFError, ConnectionError, _Refused) as exc:
+        except (EOFError, ConnectionError, _Refused, FileNotFoundError) as exc:
+            # FileNotFoundError: an idle service removed its directory while we were about to use it
             if n == tries - 1:
                 raise UploadServiceError(f"the upload service went away while connecting: {exc!r}") from exc
             time.sleep(0.05 * (n + 1))
@@ -124,6 +131,7 @@ class _Refused(Exception):
 
 def _connect_once(paths: ServicePaths, config):
     """Connect to the running service or start one; the flock makes racing writers start only one."""
+    os.makedirs(paths.directory, mode=0o700, exist_ok=True)
     with file_lock(paths.lock, timeout_s=START_TIMEOUT_S):
         conn = _try_connect(paths)
         if conn is None:
@@ -752,6 +760,22 @@ class ServiceRegistryProxy:
         return f"ServiceRegistryProxy(service pid {self.connection.service_pid})"
 
 
+_swept = False
+
+
+def _sweep_once() -> None:
+    """The first client of a process cleans up after dead services and processes (runtime.sweep_stale)."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    from dstl.changelog.upload.service.runtime import sweep_stale
+
+    counts = sweep_stale()
+    if any(counts.values()):
+        log.info("removed what dead processes left: %s", counts)
+
+
 def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: Optional[str] = None
                         ) -> Tuple[ProcessUploadScheduler, ServiceRegistryProxy]:
     """Connect to (or start) the host's upload service for `config`; returns (scheduler, registry)."""
@@ -765,6 +789,7 @@ def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: O
     orphan_grace_ms()  # a bad DSTL_ORPHAN_GRACE_MS is reported here, not only in the service's log
     if local_recovery_dir:  # the service resolves paths in its own working directory
         local_recovery_dir = os.path.abspath(local_recovery_dir)
+    _sweep_once()
     paths = ServicePaths.for_config(config)
     connection = ServiceConnection(paths, config, metrics)
     return ProcessUploadScheduler(connection, job_id, local_recovery_dir), ServiceRegistryProxy(connection)

@@ -10,6 +10,12 @@ with different compression must not share files), hashed into a short key. Its d
 * `config.json` the options the service was started with
 * `journal/`  the registry's append-only journal and its snapshot
 * `service.log` stderr of the service and its children
+* `tmp/`      the service's temporary files (multiprocessing's `pymp-*` forkserver directory)
+
+Nothing is left behind (docs/service.md): a service that exits with an empty journal removes its
+directory, and a client that starts sweeps the directories of services that died (`sweep_stale`),
+except those whose journal still holds unconfirmed work: the next service for that configuration
+replays it.
 """
 from __future__ import annotations
 
@@ -55,6 +61,11 @@ def service_fingerprint(config) -> dict:
     """The options a service is built from (what the key hashes)."""
     fields = {k: v for k, v in _config_fields(config).items() if k not in _CLIENT_ONLY}
     fields["base_path"] = normalize_base_path(config.base_path)
+    # other credentials, another service; only a digest of them takes part (never the values)
+    fs_options = fields.pop("fs_options", None) or {}
+    if fs_options:
+        blob = json.dumps(fs_options, sort_keys=True, default=repr).encode()
+        fields["fs_options"] = hashlib.sha256(b"dstl-fs-options\0" + blob).hexdigest()
     fields["protocol"] = PROTOCOL_VERSION
     return fields
 
@@ -114,6 +125,11 @@ class ServicePaths:
     @property
     def log_file(self) -> str:
         return os.path.join(self.directory, "service.log")
+
+    @property
+    def tmp_dir(self) -> str:
+        """TMPDIR of the service and its children (their temporary files go with the directory)."""
+        return os.path.join(self.directory, "tmp")
 
     def authkey(self, create: bool = False) -> bytes:
         """The shared secret of this service directory (created once, 0600)."""
@@ -176,5 +192,105 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+# a directory younger than this is never swept: a client may have just made it for a service it starts
+SWEEP_GRACE_S = 30.0
+
+
+def journal_has_work(journal_dir: str) -> bool:
+    """True if the registry journal in `journal_dir` tracks any file (unconfirmed change sets,
+    orphans, pending deletions, intents): work the next service must replay."""
+    if not os.path.isdir(journal_dir):
+        return False
+    from dstl.changelog.upload.service.journal import Journal
+
+    try:  # a registry process (of a live or a dying service) holds this lock while it uses the journal
+        with file_lock(os.path.join(journal_dir, "lock"), timeout_s=0):
+            j = Journal(journal_dir)
+            try:
+                st = j.load()
+            finally:
+                j.close()
+    except TimeoutError:
+        return True
+    return bool(st.entries or st.orphans or st.pending_delete or st.intents)
+
+
+def remove_if_idle(paths: "ServicePaths", own_pid: Optional[int] = None, lock_timeout_s: float = 5.0) -> bool:
+    """Remove a service directory if no service runs in it (or only `own_pid`, exiting) and its
+    journal holds no work. Under the directory's lock, so no client is starting a service meanwhile."""
+    import shutil
+
+    try:
+        with file_lock(paths.lock, timeout_s=lock_timeout_s):
+            pid = paths.read_pid()
+            if pid is not None and pid != own_pid and pid_alive(pid):
+                return False
+            if journal_has_work(paths.journal_dir):
+                return False
+            shutil.rmtree(paths.directory, ignore_errors=True)
+            return True
+    except (TimeoutError, FileNotFoundError):
+        return False
+
+
+def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_S) -> int:
+    """Remove the directories of services that died (no live pid) with an empty journal; in those
+    kept for their journal, remove the dead service's socket, pid file and temporary files.
+    Returns how many directories were removed."""
+    import shutil
+    import time
+
+    root = root or runtime_root()
+    if grace_s == SWEEP_GRACE_S and os.environ.get("DSTL_SWEEP_GRACE_S"):  # tests: sweep young dirs too
+        grace_s = float(os.environ["DSTL_SWEEP_GRACE_S"])
+    removed = 0
+    now = time.time()
+    for name in os.listdir(root):
+        d = os.path.join(root, name)
+        try:
+            if not os.path.isdir(d) or now - os.stat(d).st_mtime < grace_s:
+                continue
+        except FileNotFoundError:
+            continue
+        paths = ServicePaths(d)
+        pid = paths.read_pid()
+        if pid is not None and pid_alive(pid):
+            continue
+        if remove_if_idle(paths, lock_timeout_s=0):
+            removed += 1
+        else:  # unconfirmed work: keep the journal for the next service, drop the dead one's leftovers
+            shutil.rmtree(paths.tmp_dir, ignore_errors=True)
+    return removed
+
+
+def sweep_stale(root: Optional[str] = None) -> dict:
+    """What a starting client cleans up: dead services' runtime directories, download caches of dead
+    processes, shared-memory segments whose service and client both died. Never raises."""
+    out = {"runtime_dirs": 0, "download_caches": 0, "segments": 0}
+    try:
+        out["runtime_dirs"] = sweep_runtime_dirs(root)
+    except OSError as exc:
+        _log().warning("could not sweep the runtime directory: %s", exc)
+    try:
+        from dstl.changelog.reader import sweep_download_caches
+
+        out["download_caches"] = sweep_download_caches()
+    except OSError as exc:
+        _log().warning("could not sweep download caches: %s", exc)
+    try:
+        from dstl.changelog.upload.service import shm
+
+        out["segments"] = shm.sweep_orphans(pid_alive)
+    except OSError as exc:
+        _log().warning("could not sweep shared memory segments: %s", exc)
+    return out
+
+
+def _log():
+    import logging
+
+    return logging.getLogger(__name__)
+
+
 __all__ = ["runtime_root", "service_key", "service_fingerprint", "ServicePaths", "file_lock", "pid_alive",
-           "normalize_base_path"]
+           "normalize_base_path", "journal_has_work", "remove_if_idle", "sweep_runtime_dirs", "sweep_stale"]

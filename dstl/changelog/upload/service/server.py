@@ -336,6 +336,9 @@ class UploadService:
         n = shm.sweep(f"{shm.PREFIX}{self.instance}_")
         if n:
             log.warning("unlinked %d shared memory segments left by clients", n)
+        from dstl.changelog.upload.service.runtime import remove_if_idle
+
+        remove_if_idle(self.paths, own_pid=os.getpid())  # nothing left to replay: nothing left behind
 
     # ---- clients ---------------------------------------------------------------------------
     def _serve_client(self, conn) -> None:
