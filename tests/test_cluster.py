@@ -1,0 +1,153 @@
+"""StatefulStream on a real Spark standalone cluster: a master and two workers (1 core, 1 GB each)
+from pyspark's own bin/spark-class on 127.0.0.1, state on moto's S3 server.
+
+One run (about 3 minutes): the stream at parallelism 2 while one worker JVM is SIGKILLed mid-run
+(and a new worker joins), then the same query restarted at parallelism 4. Checked: every output row
+exact, P tasks per batch in the event log, running at overlapping times, the warm rate once the
+cluster is stable, and nothing for `dstl gc` to delete. Heavy: runs once, under the Cython build
+(tests/test_stream.py covers the same protocol in-process under both implementations).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster_util import StandaloneCluster, event_log_files, read_event_log
+from conftest import expected_implementation
+
+pytestmark = pytest.mark.skipif(expected_implementation() == "python",
+                                reason="heavy: runs once, under the Cython build")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# phase 1 at parallelism 2 (worker 1 killed when batch KILL_AT starts), phase 2 at parallelism 4
+PHASES = ((2, 5), (4, 6))
+KILL_AT = 2
+EVENTS_PER_BATCH, KEYS = 1500, 300
+WARM_MIN = 0.9
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def _progress(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _run_phase(env, conf, base, inputs, ckpt, parallelism, progress, on_start=None, timeout=300):
+    """One driver process at `parallelism` until the input is drained; `on_start(batch)` is called
+    (once per batch) as soon as the driver reports that batch started."""
+    argv = [sys.executable, os.path.join(HERE, "cluster_driver.py"), "--base", base, "--input", inputs,
+            "--checkpoint", ckpt, "--parallelism", str(parallelism), "--progress", progress]
+    for k, v in conf.items():
+        argv += ["--conf", f"{k}={v}"]
+    with open(progress + ".log", "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    seen = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            for e in _progress(progress):
+                if e["phase"] == "start" and e["batch"] not in seen:
+                    seen.add(e["batch"])
+                    if on_start is not None:
+                        on_start(e["batch"])
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    with open(progress + ".log", errors="replace") as f:
+        tail = f.read()[-4000:]
+    assert proc.returncode == 0, tail
+
+
+def _read_s3_output(base):
+    import fsspec
+    import numpy as np
+    import pyarrow.dataset as ds
+
+    fs, root = fsspec.core.url_to_fs(f"{base}/output")
+    fs.invalidate_cache()
+    out = ds.dataset(root, filesystem=fs, format="parquet", partitioning="hive").to_table().to_pandas()
+    out["batch_id"] = out["batch_id"].astype(np.int64)
+    return out
+
+
+def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tmp_path, capsys):
+    from dstl import cli
+    from streaming_util import make_batches, normalize, reference_counts, write_json_batch
+
+    n_batches = sum(n for _, n in PHASES)
+    batches = make_batches(n_batches, EVENTS_PER_BATCH, KEYS, seed=19)
+    base = f"{s3_bucket}/cluster-job"
+    inputs, ckpt, progress = (str(tmp_path / n) for n in ("input", "spark-checkpoint", "progress.jsonl"))
+    # executors get S3 the way a real cluster would: endpoint and credentials through
+    # spark.executorEnv.*, not inherited from the workers' environment
+    creds = {k: os.environ[k] for k in CREDENTIALS if k in os.environ}
+    with StandaloneCluster(str(tmp_path / "cluster"), workers=2, env={k: None for k in CREDENTIALS}) as cluster:
+        conf = dict(cluster.app_conf())
+        conf.update({f"spark.executorEnv.{k}": v for k, v in creds.items()})
+        conf["spark.executorEnv.AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+        conf["spark.executorEnv.AWS_DEFAULT_REGION"] = "us-east-1"
+        conf["spark.task.maxFailures"] = "4"
+        driver_env = cluster.driver_env(dict(creds, PYTHONPATH=os.pathsep.join([ROOT, HERE])))
+        killed = []
+
+        def kill_one(batch):
+            if batch == KILL_AT and not killed:
+                killed.append(cluster.kill_worker(1))
+                cluster.start_worker(1)  # a new worker (and executor) joins the running application
+
+        done = 0
+        for phase, (parallelism, n) in enumerate(PHASES):
+            for b in range(done, done + n):
+                write_json_batch(inputs, b, batches[b])
+            done += n
+            _run_phase(driver_env, conf, base, inputs, ckpt, parallelism, progress,
+                       on_start=kill_one if phase == 0 else None)
+            if phase == 0:
+                cluster.wait_for_workers(2)
+        logs = [read_event_log(p) for p in event_log_files(cluster.event_log_dir)]
+    assert killed, "the worker was never killed: batch %d did not start" % KILL_AT
+
+    # exact output: every batch once, every row as pandas computes it
+    cols = ["user", "events", "value_sum", "batches", "kinds", "top_kind_events", "batch_id"]
+    got = normalize(_read_s3_output(base), cols)
+    expected = normalize(reference_counts(batches), cols)
+    assert len(got) == len(expected)
+    assert got.equals(expected)
+
+    # the executor loss happened during phase 1 and Spark saw it
+    assert len(logs) == len(PHASES)
+    assert logs[0].executors_removed, "no executor was lost in phase 1"
+
+    # nothing leaked: no changelog file that no retained checkpoint references
+    capsys.readouterr()
+    assert cli.main(["gc", base, "--keep-latest", "2", "--grace", "0s"]) == 0
+    assert "0 files (0 bytes) would delete" in capsys.readouterr().out
+
+    done_entries = [e for e in _progress(progress) if e["phase"] == "done" and not e["replayed"]]
+    assert [e["batch"] for e in done_entries] == list(range(n_batches))
+    start = 0
+    for (parallelism, n), log in zip(PHASES, logs):
+        entries = done_entries[start:start + n]
+        start += n
+        # P tasks per batch, in one stage, running at the same time on different executors
+        stages = [s for s in log.stages if s.successful() and len({t.index for t in s.successful()}) == parallelism
+                  and s.num_tasks == parallelism and "dstl" in (s.details + s.name)]
+        assert len(stages) >= n, (parallelism, [(s.stage, s.name, s.num_tasks) for s in log.stages])
+        assert all(len(e["reports"]) == parallelism for e in entries)
+    # warm rate on a stable cluster: phase 2, after its first batch
+    parallelism, n = PHASES[1]
+    warm = [r["continued"] for e in done_entries[-(n - 1):] for r in e["reports"]]
+    assert sum(warm) / len(warm) >= WARM_MIN, f"{sum(warm)}/{len(warm)} subtask-batches warm"
+    stable = [s for s in logs[1].stages if s.num_tasks == parallelism and s.successful()]
+    assert any(s.overlapping() and len(s.executors()) == 2 for s in stable)
+
