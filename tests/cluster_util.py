@@ -211,6 +211,13 @@ class StandaloneCluster:
         w.proc.wait(timeout=30)
         return w.pid
 
+    def worker_of_executor(self, app_id: str, executor_id: str) -> Optional[int]:
+        """The index of the worker that runs `executor_id` of application `app_id` (from its work dir)."""
+        for w in self.workers:
+            if os.path.isdir(os.path.join(w.work_dir, app_id, str(executor_id))):
+                return w.index
+        return None
+
     def executor_pids(self) -> List[int]:
         """PIDs of the executor JVMs (CoarseGrainedExecutorBackend) now running on this cluster."""
         out = []
@@ -264,6 +271,26 @@ class StandaloneCluster:
         env = dict(self.env, PYSPARK_PYTHON=sys.executable)
         env.update(extra or {})
         return env
+
+
+def running_tasks(ui_port: int) -> List[dict]:
+    """The tasks a driver is running now, from its status REST API on 127.0.0.1:`ui_port`: dicts
+    with appId, stageId, index, executorId (empty when the driver or its UI is not up yet)."""
+    def get(path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/api/v1/{path}", timeout=2) as r:
+            return json.loads(r.read())
+
+    try:
+        out = []
+        for app in get("applications"):
+            for st in get(f"applications/{app['id']}/stages?status=active"):
+                tasks = get(f"applications/{app['id']}/stages/{st['stageId']}/{st['attemptId']}/taskList"
+                            "?status=running")
+                out += [dict(t, appId=app["id"], stageId=st["stageId"]) for t in tasks
+                        if t.get("status") == "RUNNING"]
+        return out
+    except (OSError, ValueError):
+        return []
 
 
 # ---------------------------------------------------------------- event log

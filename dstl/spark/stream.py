@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -158,12 +159,12 @@ class StatefulStream:
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
         self.resume_from = None if resume_from is None else _check_int("resume_from", resume_from, 1)
-        self.base_path = base_path.rstrip("/")
+        self.base_path = _absolute(base_path).rstrip("/")  # tasks do not run in the driver's directory
         self.processor = processor
         self.output_schema = output_schema
         self.key = key
         self.event_time_column = event_time_column
-        self.output_path = (output_path or f"{self.base_path}/output").rstrip("/")
+        self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
         self.sink = sink
         self.storage_options = _storage_mapping(self.base_path, storage_options)
         self.null_keys = null_keys
@@ -447,6 +448,11 @@ def _resume_point(base_path: str, resume_from: Optional[int]):
         return latest_checkpoint(base_path)
     except Exception:  # noqa: BLE001 - CheckpointCoordinator.open raises the precise error
         return None
+
+
+def _absolute(path: str) -> str:
+    """A relative local path (no scheme) made absolute against the driver's working directory."""
+    return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
 
 
 def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
