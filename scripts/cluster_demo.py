@@ -93,6 +93,7 @@ def main(argv=None) -> int:
                               capture_output=True, text=True, cwd=args.dir).stdout.strip()
     run_dir = os.path.join(args.dir, "run")
     shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
     cluster_root = os.path.join(args.dir, "cluster")
     shutil.rmtree(cluster_root, ignore_errors=True)
     env_clean = {"PYTHONPATH": None, "PYSPARK_PYTHON": None, "PYSPARK_DRIVER_PYTHON": None}
