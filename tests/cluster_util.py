@@ -65,6 +65,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def stop_pids(pids: List[int], grace_s: float = 10.0) -> None:
     """SIGTERM each PID, wait up to `grace_s`, then SIGKILL those still alive."""
     for pid in pids:
@@ -204,12 +212,16 @@ class StandaloneCluster:
         except OSError:
             return "(no log)"
 
-    def kill_worker(self, index: int) -> int:
-        """SIGKILL worker `index`'s JVM (its executor notices and exits); returns the PID killed."""
+    def kill_worker(self, index: int) -> List[int]:
+        """SIGKILL worker `index`'s JVM and the executor JVMs it launched, at once (a lost host: an
+        executor whose worker alone died would finish its running task before it notices); returns
+        the PIDs killed, worker first."""
         w = next(x for x in self.workers if x.index == index)
-        os.kill(w.pid, signal.SIGKILL)
+        pids = [w.pid] + [p for p in self.executor_pids() if _parent(p) == w.pid]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
         w.proc.wait(timeout=30)
-        return w.pid
+        return pids
 
     def worker_of_executor(self, app_id: str, executor_id: str) -> Optional[int]:
         """The index of the worker that runs `executor_id` of application `app_id` (from its work dir)."""
@@ -291,6 +303,43 @@ def running_tasks(ui_port: int) -> List[dict]:
         return out
     except (OSError, ValueError):
         return []
+
+
+# ---------------------------------------------------------------- a streaming driver on the cluster
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_driver.py")
+
+
+def read_progress(path: str) -> List[dict]:
+    """The complete lines tests/cluster_driver.py wrote to its progress file so far."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def run_stream_driver(env: Dict[str, str], conf: Dict[str, str], args: List[str], progress: str,
+                      on_poll=None, timeout: float = 600) -> None:
+    """Run tests/cluster_driver.py with `args` and Spark `conf` until its input is drained; call
+    `on_poll(progress entries)` every 50 ms meanwhile. Raises with the driver's log on failure."""
+    argv = [sys.executable, DRIVER, "--progress", progress, *args]
+    for k, v in conf.items():
+        argv += ["--conf", f"{k}={v}"]
+    with open(progress + ".log", "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if on_poll is not None:
+                on_poll(read_progress(progress))
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    if proc.returncode != 0:
+        with open(progress + ".log", errors="replace") as f:
+            raise RuntimeError(f"driver exited with {proc.returncode}: {f.read()[-4000:]}")
 
 
 # ---------------------------------------------------------------- event log
