@@ -39,7 +39,7 @@ def test_editable_install_beats_a_dstl_folder_and_base_path_dstl_works(tmp_path,
     # install` does, into a venv that sees this interpreter's dependencies but not its dstl
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
-                                                             "tests", "bench", "docs", "demo-run"))
+                                                             "tests", "bench", "docs", "demo-run", "dist"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
