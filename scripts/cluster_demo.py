@@ -35,10 +35,15 @@ STANDALONE_PYTHON_CLUSTER_MODE = "Cluster deploy mode is currently not supported
 
 
 def executor_env(wheel: str, where: str) -> str:
-    """A venv with the wheel and its executor extras; returns its python. Reused for the same wheel."""
+    """A venv with the wheel and its executor extras; returns its python. Reused while the wheel's
+    bytes are the same."""
+    import hashlib
+
     py = os.path.join(where, "bin", "python")
-    stamp = os.path.join(where, ".wheel")
-    if os.path.exists(stamp) and open(stamp).read() == os.path.basename(wheel) and os.path.exists(py):
+    stamp = os.path.join(where, ".wheel-sha256")
+    with open(wheel, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if os.path.exists(stamp) and open(stamp).read() == digest and os.path.exists(py):
         return py
     shutil.rmtree(where, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", where], check=True)
@@ -46,7 +51,7 @@ def executor_env(wheel: str, where: str) -> str:
     print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(stamp, "w") as f:
-        f.write(os.path.basename(wheel))
+        f.write(digest)
     return py
 
 

@@ -1,8 +1,9 @@
 """StatefulStream on a real Spark standalone cluster: a master and two workers (1 core, 1 GB each)
 from pyspark's own bin/spark-class on 127.0.0.1, state on moto's S3 server.
 
-One run (about 3 minutes): the stream at parallelism 2 while one worker JVM is SIGKILLed mid-run
-(and a new worker joins), then the same query restarted at parallelism 4. Checked: every output row
+One run (about 3 minutes on an idle machine): the stream at parallelism 2 while a worker JVM and its
+executor JVM are SIGKILLed as the executor runs a task (a new worker is started), then the same
+query restarted at parallelism 4. Checked: every output row
 exact, P tasks per batch in the event log, running at overlapping times, the warm rate once the
 cluster is stable, and nothing for `dstl gc` to delete. Heavy: runs once, under the Cython build
 (tests/test_stream.py covers the same protocol in-process under both implementations).
@@ -64,8 +65,8 @@ def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tm
         killed = []
 
         def kill_mid_task(entries):
-            """From batch KILL_AT on, SIGKILL the worker whose executor runs a task of the batch
-            (seen through the driver's status API), once; then a new worker joins."""
+            """From batch KILL_AT on, SIGKILL the worker (and its executor) whose executor runs a task
+            of the batch (seen through the driver's status API), once; then start a new worker."""
             if killed or not any(e["phase"] == "start" and e["batch"] >= KILL_AT for e in entries):
                 return
             for t in running_tasks(int(conf["spark.ui.port"])):
