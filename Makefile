@@ -54,4 +54,4 @@ bench-flink: build
 	$(PY) bench/flink/run.py
 
 clean:
-	rm -rf build dstl/_fast/*.c dstl/_fast/*.so
+	rm -rf build dist dstl/_fast/*.c dstl/_fast/*.so
