@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     try:
         if "s3" in args.bases:
             from moto.server import ThreadedMotoServer
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per S3 request otherwise
 
             port = free_port()
             moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
