@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from conftest import expected_implementation
+from dstl import cli
 from driver_util import run_driver
 from eventlog_util import batch_stages, overlapping, successful
 from streaming_util import make_batches, normalize, read_output, reference_counts
@@ -60,7 +61,7 @@ def _warm(results):
     return sum(rep["continued"] for rep in reps), len(reps)
 
 
-def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(tmp_path):
+def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(tmp_path, capsys):
     base = str(tmp_path / "job")
     marker = str(tmp_path / "fired")
     results, stages, out = _drive(tmp_path, "local", "local[2,4]", 4, 4, base,
@@ -70,14 +71,21 @@ def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(
         assert overlapping(stages[r["batch"]]), r["batch"]       # two cores busy at once
         assert len({rep["pid"] for rep in r["reports"]}) >= 2    # in different Python workers
         assert {rep["executor"] for rep in r["reports"]} == {"driver"}
-    # the killed worker's task failed once and was retried; the retry restored subtask 1
+    # the killed worker's task failed once and was retried in another Python worker, which restored
+    # subtask 1 or continued a backend it held at exactly the last checkpoint (never the dead one's)
     assert any(x.partition == 1 and not x.success for x in stages[2])
     [retried] = [rep for rep in results[2]["reports"] if rep["subtask"] == 1]
-    assert retried["attempt"] >= 1 and retried["restored"] and retried["restore_source"] == "dfs"
+    assert retried["attempt"] >= 1 and retried["restored"] != retried["continued"]
     # one INFO line per batch, naming each subtask's executor
     lines = [ln for ln in out.splitlines() if "dstl.spark.placement INFO batch" in ln]
     assert len(lines) == 4 and all("0@driver:" in ln for ln in lines)
     _check_exact(base, 4)
+    # `dstl state ls` shows the figures the checkpoints recorded
+    capsys.readouterr()
+    assert cli.main(["state", "ls", base, "--json"]) == 0
+    last = json.loads(capsys.readouterr().out)["checkpoints"][-1]["placement"]
+    assert last == {k: results[-1]["placement"][k] for k in last} and last["executors"] == ["driver"] * 4
+    assert last["warm"] + last["restored"] == 4
 
 
 def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_is_lost(tmp_path):

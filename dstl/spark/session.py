@@ -142,17 +142,52 @@ class SubtaskStage:
         self._anchor = None
         self.placements = 0
 
+    #: how often a first placement is redone when it leaves an executor with 2+ subtasks more than another
+    PLACEMENT_TRIES = 3
+
     def anchor(self):
         """The persisted anchor, materialised on first use (or again after `replace()`)."""
         if self._anchor is None:
-            from pyspark import StorageLevel
-
-            df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
-            df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
-            df.count()  # materialise: P tasks with no preference, spread over the free cores
-            self._anchor = df
-            self.placements += 1
+            n = executor_count(self.spark)
+            for attempt in range(self.PLACEMENT_TRIES):
+                self._anchor = self._place()
+                if n is None or n < 2 or self.parallelism < 2 or attempt == self.PLACEMENT_TRIES - 1:
+                    break
+                counts = self.where()
+                per = [sum(1 for e in counts.values() if e == ex) for ex in set(counts.values())]
+                per += [0] * max(0, n - len(per))  # executors that got no subtask
+                if max(per) - min(per) <= 1:
+                    break
+                log.info("anchor placement %s is uneven over %d executors: placing it again", counts, n)
+                self.close()
         return self._anchor
+
+    def _place(self):
+        from pyspark import StorageLevel
+
+        df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
+        df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
+        # materialise: P tasks with no preference, which the scheduler hands to free cores; with tiny
+        # tasks one executor may take several before another asks (hence the check in anchor())
+        df.count()
+        self.placements += 1
+        return df
+
+    def where(self) -> Dict[int, str]:
+        """Subtask -> the executor its anchor block is on (a tiny job over the cached anchor, which
+        runs where the blocks are)."""
+        def probe(batches):  # pragma: no cover - runs in the Python worker
+            import pandas as pd
+            from pyspark import TaskContext
+
+            from dstl.spark.session import executor_id
+
+            for _ in batches:
+                pass
+            yield pd.DataFrame({"subtask": [TaskContext.get().partitionId()], "executor": [executor_id()]})
+
+        rows = self._anchor.mapInPandas(probe, "subtask int, executor string").collect()
+        return {r.subtask: r.executor for r in rows}
 
     def replace(self) -> None:
         """Forget the anchor's placement: the next batch places every subtask anew."""
