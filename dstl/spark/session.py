@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,23 @@ def executor_count(spark) -> Optional[int]:
         return None
 
 
+def collect(spark, df, description: str):
+    """`df.collect()` with `description` as the Spark job description (the UI's and the event
+    log's ``spark.job.description``), so a batch's jobs can be told apart."""
+    key = "spark.job.description"
+    try:
+        sc = spark.sparkContext
+        saved = sc.getLocalProperty(key)  # foreachBatch's own ("id = ..., batch = N")
+        sc.setLocalProperty(key, description)
+    except Exception:  # noqa: BLE001 - Spark Connect: no job description, the rows all the same
+        sc = None
+    try:
+        return df.collect()
+    finally:
+        if sc is not None:
+            sc.setLocalProperty(key, saved)
+
+
 # ------------------------------------------------------------------ the per-batch stage
 
 class SubtaskStage:
@@ -125,17 +142,52 @@ class SubtaskStage:
         self._anchor = None
         self.placements = 0
 
+    #: how often a first placement is redone when it leaves an executor with 2+ subtasks more than another
+    PLACEMENT_TRIES = 3
+
     def anchor(self):
         """The persisted anchor, materialised on first use (or again after `replace()`)."""
         if self._anchor is None:
-            from pyspark import StorageLevel
-
-            df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
-            df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
-            df.count()  # materialise: P tasks with no preference, spread over the free cores
-            self._anchor = df
-            self.placements += 1
+            n = executor_count(self.spark)
+            for attempt in range(self.PLACEMENT_TRIES):
+                self._anchor = self._place()
+                if n is None or n < 2 or self.parallelism < 2 or attempt == self.PLACEMENT_TRIES - 1:
+                    break
+                counts = self.where()
+                per = [sum(1 for e in counts.values() if e == ex) for ex in set(counts.values())]
+                per += [0] * max(0, n - len(per))  # executors that got no subtask
+                if max(per) - min(per) <= 1:
+                    break
+                log.info("anchor placement %s is uneven over %d executors: placing it again", counts, n)
+                self.close()
         return self._anchor
+
+    def _place(self):
+        from pyspark import StorageLevel
+
+        df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
+        df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
+        # materialise: P tasks with no preference, which the scheduler hands to free cores; with tiny
+        # tasks one executor may take several before another asks (hence the check in anchor())
+        df.count()
+        self.placements += 1
+        return df
+
+    def where(self) -> Dict[int, str]:
+        """Subtask -> the executor its anchor block is on (a tiny job over the cached anchor, which
+        runs where the blocks are)."""
+        def probe(batches):  # pragma: no cover - runs in the Python worker
+            import pandas as pd
+            from pyspark import TaskContext
+
+            from dstl.spark.session import executor_id
+
+            for _ in batches:
+                pass
+            yield pd.DataFrame({"subtask": [TaskContext.get().partitionId()], "executor": [executor_id()]})
+
+        rows = self._anchor.mapInPandas(probe, "subtask int, executor string").collect()
+        return {r.subtask: r.executor for r in rows}
 
     def replace(self) -> None:
         """Forget the anchor's placement: the next batch places every subtask anew."""
@@ -171,11 +223,14 @@ def executor_id() -> str:
     without it is the driver (local mode). "unknown" where /proc is not available."""
     global _EXECUTOR_ID
     if _EXECUTOR_ID is None:
-        _EXECUTOR_ID = _find_executor_id(os.getpid())
+        _EXECUTOR_ID = executor_process()[1]
     return _EXECUTOR_ID
 
 
-def _find_executor_id(pid: int) -> str:
+def executor_process() -> Tuple[Optional[int], str]:
+    """(pid of the executor JVM running this Python worker, its executor id); (None, "driver") in
+    local mode, (None, "unknown") without /proc."""
+    pid = os.getppid()
     for _ in range(6):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -183,13 +238,13 @@ def _find_executor_id(pid: int) -> str:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
-            return "unknown"
+            return None, "unknown"
         if b"--executor-id" in args:
             i = args.index(b"--executor-id")
-            return args[i + 1].decode() if i + 1 < len(args) else "unknown"
+            return pid, (args[i + 1].decode() if i + 1 < len(args) else "unknown")
         if args and os.path.basename(args[0]) == b"java":
-            return "driver"
+            return None, "driver"
         if ppid <= 1:
-            return "unknown"
+            return None, "unknown"
         pid = ppid
-    return "unknown"
+    return None, "unknown"
