@@ -8,12 +8,11 @@ starts, and every process those start (executors, Python workers, dstl upload se
 tag in its environment; `stop()` finds them by that tag and stops each by its PID, so nothing
 survives a test, even one that failed or killed a worker half-way.
 
-`read_event_log(dir)` parses Spark's JSON event log: stages with their tasks (index, attempt,
-executor id, launch and finish times, failure) and the executors added and removed.
+Applications get an event log (tests/eventlog_util.py reads it: each batch's stage, its tasks,
+their executors and times), and `running_tasks` asks a driver's status API what runs right now.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -25,6 +24,8 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from eventlog_util import eventlog_conf
 
 TAG_ENV = "DSTL_TEST_CLUSTER"
 
@@ -266,11 +267,7 @@ class StandaloneCluster:
             "spark.driver.host": "127.0.0.1",
             "spark.driver.bindAddress": "127.0.0.1",
             "spark.ui.enabled": "false",
-            "spark.eventLog.enabled": "true",
-            "spark.eventLog.dir": "file://" + self.event_log_dir,
-            # one plain JSON-lines file per application (Spark 4 rolls and compresses by default)
-            "spark.eventLog.rolling.enabled": "false",
-            "spark.eventLog.compress": "false",
+            **eventlog_conf("file://" + self.event_log_dir),   # read with eventlog_util.batch_stages
             "spark.pyspark.python": python or sys.executable,
             "spark.pyspark.driver.python": python or sys.executable,
             "spark.executorEnv." + TAG_ENV: self.tag,
@@ -287,7 +284,8 @@ class StandaloneCluster:
 
 def running_tasks(ui_port: int) -> List[dict]:
     """The tasks a driver is running now, from its status REST API on 127.0.0.1:`ui_port`: dicts
-    with appId, stageId, index, executorId (empty when the driver or its UI is not up yet)."""
+    with appId, stageId, description (the stage's job description), index, executorId (empty when
+    the driver or its UI is not up yet)."""
     def get(path):
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/api/v1/{path}", timeout=2) as r:
             return json.loads(r.read())
@@ -298,7 +296,8 @@ def running_tasks(ui_port: int) -> List[dict]:
             for st in get(f"applications/{app['id']}/stages?status=active"):
                 tasks = get(f"applications/{app['id']}/stages/{st['stageId']}/{st['attemptId']}/taskList"
                             "?status=running")
-                out += [dict(t, appId=app["id"], stageId=st["stageId"]) for t in tasks
+                out += [dict(t, appId=app["id"], stageId=st["stageId"], description=st.get("description") or "")
+                        for t in tasks
                         if t.get("status") == "RUNNING"]
         return out
     except (OSError, ValueError):
@@ -340,103 +339,3 @@ def run_stream_driver(env: Dict[str, str], conf: Dict[str, str], args: List[str]
     if proc.returncode != 0:
         with open(progress + ".log", errors="replace") as f:
             raise RuntimeError(f"driver exited with {proc.returncode}: {f.read()[-4000:]}")
-
-
-# ---------------------------------------------------------------- event log
-
-@dataclass
-class TaskRun:
-    stage: int
-    stage_attempt: int
-    index: int
-    attempt: int
-    executor: str
-    host: str
-    launch_ms: int
-    finish_ms: int
-    failed: bool
-    reason: str = ""
-
-
-@dataclass
-class StageRun:
-    stage: int
-    attempt: int
-    name: str
-    details: str
-    num_tasks: int
-    job: Optional[int] = None
-    tasks: List[TaskRun] = field(default_factory=list)
-
-    def successful(self) -> List[TaskRun]:
-        return [t for t in self.tasks if not t.failed]
-
-    def executors(self) -> List[str]:
-        return sorted({t.executor for t in self.successful()})
-
-    def overlapping(self) -> bool:
-        """Did two successful tasks of this stage run at the same time?"""
-        ts = sorted(self.successful(), key=lambda t: t.launch_ms)
-        return any(b.launch_ms < a.finish_ms for a, b in zip(ts, ts[1:]))
-
-
-@dataclass
-class EventLog:
-    app_id: str
-    stages: List[StageRun]
-    executors_added: Dict[str, int]     # executor id -> time (ms)
-    executors_removed: Dict[str, str]   # executor id -> reason
-
-    def stages_matching(self, text: str) -> List[StageRun]:
-        """Stages whose name or call-site details contain `text`, in submission order."""
-        return [s for s in self.stages if text in s.name or text in s.details]
-
-
-def event_log_files(directory: str) -> List[str]:
-    """The applications' event logs in `directory`, oldest first (app ids sort by start time)."""
-    return sorted(p for p in glob.glob(os.path.join(directory, "app-*")) if os.path.isfile(p))
-
-
-def read_event_log(path: str) -> EventLog:
-    """Parse one application's event log (a file written with spark.eventLog.enabled)."""
-    stages: Dict[tuple, StageRun] = {}
-    stage_job: Dict[int, int] = {}
-    added: Dict[str, int] = {}
-    removed: Dict[str, str] = {}
-    app_id = ""
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except ValueError:  # an in-progress log may end in a partial line
-                continue
-            kind = ev.get("Event")
-            if kind == "SparkListenerApplicationStart":
-                app_id = ev.get("App ID", "")
-            elif kind == "SparkListenerJobStart":
-                for sid in ev.get("Stage IDs", []):
-                    stage_job[sid] = ev["Job ID"]
-            elif kind in ("SparkListenerStageSubmitted", "SparkListenerStageCompleted"):
-                info = ev["Stage Info"]
-                key = (info["Stage ID"], info.get("Stage Attempt ID", 0))
-                st = stages.get(key)
-                if st is None:
-                    st = stages[key] = StageRun(key[0], key[1], info.get("Stage Name", ""), info.get("Details", ""),
-                                                info.get("Number of Tasks", 0), stage_job.get(key[0]))
-            elif kind == "SparkListenerTaskEnd":
-                info = ev["Task Info"]
-                key = (ev["Stage ID"], ev.get("Stage Attempt ID", 0))
-                st = stages.get(key)
-                if st is None:
-                    st = stages[key] = StageRun(key[0], key[1], "", "", 0, stage_job.get(key[0]))
-                reason = ev.get("Task End Reason", {}) or {}
-                st.tasks.append(TaskRun(key[0], key[1], info["Index"], info["Attempt"], str(info["Executor ID"]),
-                                        info.get("Host", ""), info["Launch Time"], info.get("Finish Time", 0),
-                                        bool(info.get("Failed") or info.get("Killed")),
-                                        reason.get("Reason", "") if reason.get("Reason") != "Success" else ""))
-            elif kind == "SparkListenerExecutorAdded":
-                added[str(ev["Executor ID"])] = ev.get("Timestamp", 0)
-            elif kind == "SparkListenerExecutorRemoved":
-                removed[str(ev["Executor ID"])] = ev.get("Removed Reason", "")
-    ordered = sorted(stages.values(), key=lambda s: (s.stage, s.attempt))
-    return EventLog(app_id, ordered, added, removed)
