@@ -4,7 +4,8 @@
   to the Python workers.
 * `SubtaskStage`: one micro-batch as ONE Spark stage of P concurrent tasks, task i = subtask i,
   with subtask i kept on the same executor batch after batch (docs/spark.md, "Placement").
-* `executor_id` (runs in a Python worker): the id of the executor running the task.
+* `collect`: a batch's one evaluation, under a job description naming the batch.
+* `executor_id` / `executor_process` (run in a Python worker): the executor running the task.
 
 The placement trick. An *anchor* ``spark.range(0, P, 1, numPartitions=P)`` (partition i holds the
 value i) is persisted and materialised once. Its cached blocks stay on the executors that computed
@@ -18,8 +19,9 @@ join keeps its anchor row), and partition i receives exactly subtask i's rows. I
 lost, its anchor blocks are recomputed where the retried tasks run: those subtasks move once and
 then stay on their new executor.
 
-Nothing here uses an RDD outside this module; `sparkContext` is touched only for the worker
-environment, the log level and the executor count, each with a fallback.
+No other dstl.spark module (nor dstl.app.pipeline) touches `sparkContext`, the JVM or an RDD; here
+`sparkContext` serves the worker environment, the log level, the job description and the executor
+count, each with a fallback for Spark Connect (where it does not exist).
 """
 from __future__ import annotations
 
