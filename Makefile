@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install build test test-cython test-pure demo bench soak clean
+.PHONY: install build test test-cython test-pure demo bench soak clean dist cluster-demo
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,18 @@ test-pure:
 demo: build
 	$(PY) -m dstl demo
 
+# What executors need: dstl as a wheel (compiled for this Python), installed into the executors'
+# Python with `pip install "dist/dstl-*.whl[executor,s3]"` (docs/spark.md, "A real cluster").
+dist: $(STAMP)
+	rm -f dist/dstl-*.whl
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls -l dist/dstl-*.whl
+
+# A local standalone cluster (master + 2 workers), the pipeline demo through spark-submit on it with
+# --verify, every process stopped by PID (scripts/cluster_demo.py).
+cluster-demo: dist
+	$(PY) scripts/cluster_demo.py
+
 bench: build
 	$(PY) bench/report.py
 
@@ -49,4 +61,4 @@ soak: build
 	$(PY) bench/soak.py --results bench/results $(SOAK_ARGS)
 
 clean:
-	rm -rf build dstl/_fast/*.c dstl/_fast/*.so
+	rm -rf build dist dstl/_fast/*.c dstl/_fast/*.so

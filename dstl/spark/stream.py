@@ -10,8 +10,9 @@ of batch ids: a bootstrapped first checkpoint, an offline rescale). Per batch, o
 1. a replayed batch id (already in a completed checkpoint) changes no state: it only finishes that
    batch's output commit and calls the sink if it has not returned yet; a gap is an error;
 2. the input gets its logical subtask column (null keys: an error, or dropped and counted), late
-   rows are dropped and counted (EventTime), the batch is persisted and each subtask runs as its
-   own pinned Spark task, continuing its state from its Python worker's memory;
+   rows are dropped and counted (EventTime), and the batch runs as ONE Spark stage of P concurrent
+   tasks, task i = subtask i, each on the executor that ran it last batch (dstl.spark.session), so it
+   continues its state from its Python worker's memory;
 3. the checkpoint metadata (watermark, state schemas, Spark's batch id) is written atomically,
    then the staged output is committed to ``<output>/batch_id=N/`` and the sink called once.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -158,12 +160,12 @@ class StatefulStream:
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
         self.resume_from = None if resume_from is None else _check_int("resume_from", resume_from, 1)
-        self.base_path = base_path.rstrip("/")
+        self.base_path = _absolute(base_path).rstrip("/")  # tasks do not run in the driver's directory
         self.processor = processor
         self.output_schema = output_schema
         self.key = key
         self.event_time_column = event_time_column
-        self.output_path = (output_path or f"{self.base_path}/output").rstrip("/")
+        self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
         self.sink = sink
         self.storage_options = _storage_mapping(self.base_path, storage_options)
         self.null_keys = null_keys
@@ -176,6 +178,7 @@ class StatefulStream:
         #: {state: {"old": record, "new": record}} to convert in the next batch (a resume's first)
         self._evolutions: Dict[str, Dict[str, Any]] = {}
         self.coordinator = None
+        self._stage = None
         #: the latest batches' results (a long-running query keeps only these)
         self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
 
@@ -279,9 +282,21 @@ class StatefulStream:
         return self._run_batch(df, batch_id, source)
 
     def close(self) -> None:
-        """After the last batch (query stopped): delete changelog files no checkpoint needs."""
+        """After the last batch (query stopped): delete changelog files no checkpoint needs, and
+        release the placement anchor."""
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
         if self.coordinator is not None:
             self.coordinator.finish()
+
+    def _stage_for(self, spark):
+        """The stage that keeps subtask i on its executor (a new one for a new session)."""
+        from dstl.spark.session import SubtaskStage
+
+        if self._stage is None or self._stage.spark is not spark:
+            self._stage = SubtaskStage(spark, self.parallelism)
+        return self._stage
 
     # ---------------------------------------------------------------- one batch
     def _spark_of(self, df):
@@ -295,10 +310,10 @@ class StatefulStream:
         return df.sparkSession, df
 
     def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
-        from pyspark import StorageLevel
         from dstl.spark import faults
-        from dstl.spark.keyed import (SUBTASK_COL, TaskReport, stateful_map_in_pandas_pinned)
+        from dstl.spark.keyed import SUBTASK_COL, TaskReport, stateful_map_in_pandas_staged
         from dstl.spark.processor import BatchContext, make_task_fn
+        from dstl.spark.session import collect
 
         coord = self.coordinator
         spark, sdf = self._spark_of(df)
@@ -317,22 +332,22 @@ class StatefulStream:
         keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
         if self.time_mode == "EventTime":
             keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
-        # each subtask's branch scans this; Spark computes a cached partition once, the others wait for it
-        keyed = keyed.persist(StorageLevel.MEMORY_AND_DISK)
+        stage = self._stage_for(spark)
         t_prep = time.perf_counter()
-        try:
-            ctx = BatchContext(batch_ts, watermark, self.time_mode)
-            initial = self._initial_by_subtask(maxp) if latest is None else None
-            fn = make_task_fn(self.processor, self.key, ctx, initial,
-                              event_col=ET_COL if self.time_mode == "EventTime" else None,
-                              evolutions=self._evolutions)
-            plan = coord.plan(batch_id, self.parallelism)
-            plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-            reports_df = stateful_map_in_pandas_pinned(keyed, fn, self.output_schema, checkpoint=plan)
-            reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
-            t_tasks = time.perf_counter()
-        finally:
-            keyed.unpersist()
+        # the broadcast inside the stage evaluates `keyed` once: nothing to persist
+        ctx = BatchContext(batch_ts, watermark, self.time_mode)
+        initial = self._initial_by_subtask(maxp) if latest is None else None
+        fn = make_task_fn(self.processor, self.key, ctx, initial,
+                          event_col=ET_COL if self.time_mode == "EventTime" else None,
+                          evolutions=self._evolutions)
+        plan = coord.plan(batch_id, self.parallelism)
+        plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
+        reports_df = stateful_map_in_pandas_staged(keyed, fn, self.output_schema, checkpoint=plan,
+                                                   stage=stage)
+        # evaluated exactly once
+        rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
+        reports = [TaskReport.from_row(r) for r in rows]
+        t_tasks = time.perf_counter()
         nulls = sum(r.metric("null_rows") for r in reports)
         if nulls and self.null_keys == "error":
             # no checkpoint: the tasks' work is abandoned, the next attempt restores the last checkpoint
@@ -448,6 +463,11 @@ def _resume_point(base_path: str, resume_from: Optional[int]):
         return latest_checkpoint(base_path)
     except Exception:  # noqa: BLE001 - CheckpointCoordinator.open raises the precise error
         return None
+
+
+def _absolute(path: str) -> str:
+    """A relative local path (no scheme) made absolute against the driver's working directory."""
+    return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
 
 
 def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -134,11 +134,20 @@ def checkpoint_summary(base_path: str, meta) -> Dict[str, Any]:
         "states": dict(sorted(states.items())), "live_keys": live_keys,
         "bytes": sum(mat.values()) + sum(v for k, v in log.items() if k not in mat),
         "materialized_bytes": sum(mat.values()), "log_bytes": sum(log.values()),
+        # the batch's subtasks: warm / restored / moved and the slowest restore (dstl.spark.placement)
+        "placement": {k: v for k, v in (meta.properties.get("placement") or {}).items()
+                      if k in ("warm", "restored", "moved", "restore_ms_max", "executors", "sources")},
     }
 
 
 def _bad_row(checkpoint_id: int, problem: str, detail: str) -> Dict[str, Any]:
     return {"checkpoint_id": checkpoint_id, "ok": False, "problem": problem, "detail": detail}
+
+
+def _placement(p: Dict[str, Any]) -> str:
+    if not p:
+        return "-"
+    return f"{p['warm']}/{p['restored']}/{p['moved']} ({p['restore_ms_max']:.0f})"
 
 
 def _ls(args) -> int:
@@ -174,13 +183,14 @@ def _ls(args) -> int:
     rows = []
     for c in out:
         if not c["ok"]:
-            rows.append((c["checkpoint_id"], "-", "-", "-", "-", "-", "-", "-", "BAD: " + c["problem"]))
+            rows.append((c["checkpoint_id"], "-", "-", "-", "-", "-", "-", "-", "-", "BAD: " + c["problem"]))
             continue
         rows.append((c["checkpoint_id"], c["time"], f"{c['parallelism']}/{c['max_parallelism']}",
                      ", ".join(f"{n}({k})" for n, k in c["states"].items()) or "-", c["live_keys"],
-                     _size(c["bytes"]), _size(c["materialized_bytes"]), _size(c["log_bytes"]), "ok"))
+                     _size(c["bytes"]), _size(c["materialized_bytes"]), _size(c["log_bytes"]),
+                     _placement(c["placement"]), "ok"))
     print(_table(rows, ["id", "time (UTC)", "par/max", "states (live keys)", "keys", "bytes", "materialized",
-                        "log", "status"]))
+                        "log", "warm/restored/moved (restore ms)", "status"]))
     return 0
 
 
