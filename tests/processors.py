@@ -1,4 +1,5 @@
-"""StatefulProcessor subclasses written as a PySpark user writes them for `transformWithStateInPandas`.
+"""StatefulProcessor subclasses written as a PySpark user writes them for `transformWithStateInPandas`
+(and, the Row* classes, for PySpark 4.1+'s Row-based `transformWithState`).
 
 The same classes run unchanged on Spark's native operator and on `dstl.spark.StatefulStream`
 (tests/test_streaming_compare.py, bench/streaming_report.py). The input rows are the events of
