@@ -248,6 +248,15 @@ class StatefulStream:
         return self.open().spec.max_parallelism
 
     # ---------------------------------------------------------------- entry points
+    def __getstate__(self) -> Dict[str, Any]:
+        # Spark Connect pickles the foreachBatch function to the server's foreachBatch worker: the
+        # open job (storage, threads) and the session-bound stage are rebuilt there, never shipped
+        state = dict(self.__dict__)
+        state["coordinator"] = None
+        if "_stage" in state:
+            state["_stage"] = None
+        return state
+
     def __call__(self, df, batch_id: int) -> "StreamBatchResult":
         """The `foreachBatch` function: process Spark's micro-batch `batch_id` exactly once."""
         return self.process(df, int(batch_id))
