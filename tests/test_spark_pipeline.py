@@ -75,8 +75,8 @@ def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path, capsys):
     report = _run(spark, *SMALL, "--base-path", base, "--verify")
     assert report.verify == [], report.render()
     assert report.batches == 4 and report.events == 6000
-    # subtasks are pinned to their own Python workers: only the first batch opens fresh backends
-    assert report.cache_hits >= report.subtask_batches - 2
+    # only the first batch opens fresh backends: later ones continue from a worker's memory or restore
+    assert report.cache_hits + len(report.restores) == report.subtask_batches - 2
     assert list_checkpoints(base) == [3, 4]  # retain 2
     assert report.uploaded_files > 0 and report.retained_files > 0
     assert _unreferenced_changelog_files(base, report.job_id) == []
@@ -314,12 +314,15 @@ def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     plan = coord.plan(1, 2)
     abandoned = [TaskReport.from_row(r) for r in stateful_map_in_pandas_local(
         spark, source.batch(1), user_activity, output_ddl(), key="user_id", parallelism=2, max_parallelism=128,
-        checkpoint=plan, order_by=["ts", "event_id"], events_schema=schema).collect()]
-    assert len(abandoned) == 2 and all(not r.restored for r in abandoned)  # continued from memory
+        checkpoint=plan, order_by=["ts", "event_id"], events_schema=schema, stage=job._stage).collect()]
+    assert len(abandoned) == 2
+    # the workers now hold backends at the abandoned checkpoint 2 (or at checkpoint 1, a worker whose
+    # subtask ran in the executor's other worker): continuing one at 2 would apply batch 1 twice,
+    # which the state and output comparison below would show
     retried = job.run_batch(source.batch(1))
-    assert retried.checkpoint_id == 2 and retried.restored == 2  # stale backends closed, state restored
+    assert retried.checkpoint_id == 2 and retried.restored + retried.cache_hits == 2
     third = job.run_batch(source.batch(2))
-    assert third.cache_hits == 2
+    assert third.restored + third.cache_hits == 2
     coord.finish()
     expected_state, expected_out = reference(source.all())
     assert compare_state(pipeline.read_checkpoint_state(coord, coord.latest), expected_state) == []

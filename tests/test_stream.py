@@ -62,9 +62,13 @@ def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp
     results = [stream(_sdf(spark, pdf), b) for b, pdf in batches[:3]]  # as foreachBatch calls it
     assert [r.batch_id for r in results] == [0, 1, 2]
     assert results[0].restored == 0  # a fresh job restores nothing
-    # subtasks stay pinned to their Python workers: after the first batch they continue from memory
+    # one task per subtask, in local mode all on the driver's executor; after the first batch each
+    # continues from its worker's memory or (another of the executor's Python workers) restores
     later = [rep for r in results[1:] for rep in r.reports]
-    assert sum(rep.continued for rep in later) >= 0.9 * len(later)
+    assert [rep.subtask for r in results for rep in r.reports] == [0, 1] * 3
+    assert all(rep.executor == "driver" for r in results for rep in r.reports)
+    assert all(rep.continued != rep.restored for rep in later)
+    assert all(r.stats.placement["warm"] + r.stats.placement["restored"] == 2 for r in results[1:])
 
     # a replayed batch id (Spark re-running batch 2) changes no state
     replay = stream(_sdf(spark, batches[2][1]), 2)

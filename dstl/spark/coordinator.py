@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
+from dstl.spark.placement import log_batch
 from dstl.state.relpaths import relative_to, resolve
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class CheckpointStats:
     new_bytes: int
     deleted_files: int
     state_size: int
+    #: where the subtasks ran and how they got their state (dstl.spark.placement)
+    placement: Dict[str, Any] = field(default_factory=dict)
 
 
 def _fs(url: str):
@@ -122,6 +125,7 @@ class CheckpointCoordinator:
         #: the committed folder of a batch under the output path (`{batch}` is replaced)
         self.output_layout = output_layout
         self._memory_batch: Optional[int] = None
+        self._memory_executors: Optional[List[str]] = None
         self.latest = None  # CheckpointMetadata of the latest completed checkpoint
         self._suspects: Set[str] = set()
         self._known_files: Dict[str, int] = {}
@@ -247,8 +251,9 @@ class CheckpointCoordinator:
             raise RuntimeError(f"checkpoint {plan.checkpoint_id}: expected one report per subtask "
                                f"0..{plan.parallelism - 1}, got subtasks {sorted(r.subtask for r in reports)}")
         ordered = [by_subtask[i] for i in range(plan.parallelism)]
+        placement = self._placement(plan, ordered)
         if not self.durable:
-            return self._complete_in_memory(plan, ordered)
+            return self._complete_in_memory(plan, ordered, placement)
         subtasks = [snapshot_to_subtask_state(r.subtask, r.snapshot) for r in ordered]
         files: List[List[str]] = []
         for r in ordered:
@@ -257,7 +262,7 @@ class CheckpointCoordinator:
                               relative_to(self.base_path, self._final_path(plan.batch, r.subtask))])
         props = dict(properties or {})
         props.update({"batch": plan.batch, "job_id": self.spec.job_id, "operator_id": self.spec.operator_id,
-                      "tokens": [r.token for r in ordered],
+                      "tokens": [r.token for r in ordered], "placement": placement,
                       "output": {"batch": plan.batch, "files": files},
                       "completed_at": time.time()})
         meta = CheckpointMetadata(plan.checkpoint_id, plan.max_parallelism, plan.parallelism, subtasks, props,
@@ -272,11 +277,27 @@ class CheckpointCoordinator:
         t2 = time.perf_counter()
         new_files, new_bytes, deleted = self.collect_garbage()
         t3 = time.perf_counter()
+        log_batch(plan.batch, plan.checkpoint_id, placement)
         return CheckpointStats(plan.checkpoint_id, plan.batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
                                (t3 - t2) * 1e3, new_files, new_bytes, deleted,
-                               sum(r.state_size for r in ordered))
+                               sum(r.state_size for r in ordered), placement)
 
-    def _complete_in_memory(self, plan: CheckpointPlan, ordered: Sequence[TaskReport]) -> CheckpointStats:
+    def _placement(self, plan: CheckpointPlan, ordered: Sequence[TaskReport]) -> Dict[str, Any]:
+        """This batch's placement figures (against the previous checkpoint's executors)."""
+        from dstl.spark.placement import placement_figures
+
+        prev = None
+        latest = self.latest if self.durable else None
+        if latest is not None and latest.parallelism == plan.parallelism:
+            prev = (latest.properties.get("placement") or {}).get("executors")
+        elif not self.durable:
+            prev = self._memory_executors
+        figures = placement_figures(ordered, prev)
+        self._memory_executors = figures["executors"]
+        return figures
+
+    def _complete_in_memory(self, plan: CheckpointPlan, ordered: Sequence[TaskReport],
+                            placement: Dict[str, Any]) -> CheckpointStats:
         """Baseline without durability: no metadata, no changelog; the output is still committed."""
         from types import SimpleNamespace
 
@@ -286,8 +307,9 @@ class CheckpointCoordinator:
         t0 = time.perf_counter()
         self.commit_output(meta)
         self._memory_batch = plan.batch
+        log_batch(plan.batch, plan.checkpoint_id, placement)
         return CheckpointStats(plan.checkpoint_id, plan.batch, 0.0, (time.perf_counter() - t0) * 1e3, 0.0,
-                               0, 0, 0, 0)
+                               0, 0, 0, 0, placement)
 
     # ---------------------------------------------------------------- output (two-phase commit)
     def _final_path(self, batch: int, subtask: int) -> str:

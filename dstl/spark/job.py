@@ -42,8 +42,9 @@ class StatefulJob:
     >>> job.run_batch(events_df)          # one checkpoint; output committed when it returns
 
     `run_batch` takes a Spark DataFrame (keyed with a pandas UDF and shuffled by Spark) or a pandas
-    DataFrame held by the driver (routed on the driver, each subtask pinned to its own Python worker,
-    which keeps the worker cache warm; needs `spark=`).
+    DataFrame held by the driver (routed on the driver and run as one stage of P tasks that stay on
+    their executors batch after batch, which keeps the worker caches warm; needs `spark=`).
+    `close()` releases the placement anchor.
     """
 
     def __init__(self, coordinator: CheckpointCoordinator, fn: Callable, schema: Any, *, key: str,
@@ -57,6 +58,13 @@ class StatefulJob:
         self.order_by = list(order_by) if order_by else None
         self.spark = spark
         self.events_schema = events_schema
+        self._stage = None
+
+    def close(self) -> None:
+        """Release the cached anchor that keeps the subtasks on their executors."""
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
 
     def run_batch(self, df, *, properties: Optional[Dict[str, Any]] = None,
                   after_metadata: Optional[Callable[[], None]] = None) -> BatchResult:
@@ -67,9 +75,13 @@ class StatefulJob:
         if _is_pandas(df):  # driver-held batch: routed on the driver, subtasks pinned to workers
             if self.spark is None:
                 raise ValueError("a pandas micro-batch needs StatefulJob(spark=...)")
+            if self._stage is None:
+                from dstl.spark.session import SubtaskStage
+
+                self._stage = SubtaskStage(self.spark, self.parallelism)
             reports_df = stateful_map_in_pandas_local(
                 self.spark, df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by,
-                events_schema=self.events_schema)
+                events_schema=self.events_schema, stage=self._stage)
         else:
             reports_df = stateful_map_in_pandas(
                 df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by)

@@ -1,12 +1,18 @@
 """Keyed state inside `mapInPandas`: key-group columns and the stateful task.
 
 Routing. Every row gets its key group (Flink's assignment, vectorised in dstl.keygroups) and its
-logical subtask ``kg * parallelism // max_parallelism``. The rows are then shuffled with
-``repartition(parallelism, salt)``, where ``salt`` is a per-subtask integer chosen so that Spark's own
-hash partitioning (Murmur3, seed 42, ``pmod``) sends subtask ``i`` to partition ``i``: one Spark task
-per logical subtask and micro-batch, every subtask runs even without rows (so it snapshots), and no two
-subtasks share a task. The task checks the routing and fails loudly if Spark ever placed a row
-elsewhere.
+logical subtask ``kg * parallelism // max_parallelism``. Partition i of one Spark stage is subtask i,
+by one of two routes:
+
+* placed (`StatefulStream`, `StatefulJob` with a driver-held batch): the batch is broadcast and
+  joined to a cached anchor of P partitions (dstl.spark.session.SubtaskStage), so subtask i runs on
+  the executor that ran it last batch and continues its state from memory;
+* shuffled (`stateful_map_in_pandas`, any DataFrame of any size): ``repartition(parallelism, salt)``,
+  where ``salt`` is a per-subtask integer chosen so that Spark's own hash partitioning (Murmur3,
+  seed 42, ``pmod``) sends subtask ``i`` to partition ``i``; no placement.
+
+Either way every subtask runs even without rows (so it snapshots), no two subtasks share a task, and
+the task fails loudly if Spark ever gave it a row of another subtask.
 
 Each task takes its subtask's `KeyedStateBackend` from the worker's cache (dstl.spark.cache) when it
 is exactly at the latest completed checkpoint, otherwise restores it from that checkpoint's changelog
@@ -25,15 +31,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from dstl.spark.session import (ANCHOR_COL, FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV,  # noqa: F401
+                                ensure_importable_on_workers)
+
 KG_COL = "_dstl_kg"
 SUBTASK_COL = "_dstl_subtask"
 SALT_COL = "_dstl_salt"
-INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL)
+#: arrival order: a broadcast hash join hands a key's rows back in another order, so tasks sort by it
+SEQ_COL = "_dstl_seq"
+INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL, ANCHOR_COL, SEQ_COL)
 
 REPORT_SCHEMA = (
     "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
     "rows_out long, restored boolean, restore_ms double, process_ms double, snapshot_ms double, "
-    "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean")
+    "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean, "
+    "executor string, restore_source string")
 
 _M32 = 0xFFFFFFFF
 
@@ -75,34 +87,6 @@ def partition_salts(parallelism: int) -> List[int]:
 
 
 # ------------------------------------------------------------------ workers must import dstl
-
-#: environment variables the Python workers get from the driver
-FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "FSSPEC_")
-#: forwarded only with a local master (same machine); on a cluster executors bring their own
-#: credentials (instance roles, spark.executorEnv.*), they are not shipped inside tasks
-LOCAL_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-
-def ensure_importable_on_workers(spark) -> None:
-    """Let Python workers import the same dstl as the driver.
-
-    An installed package (pip install, also editable) is found by the workers anyway. When dstl is
-    used from a source tree (tests, a checkout on PYTHONPATH), its parent directory is added to the
-    PYTHONPATH Spark hands to the Python workers it starts. On a real cluster install the package on
-    every executor (see docs/spark.md, "Scale-out").
-    """
-    import dstl
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(dstl.__file__)))
-    env = spark.sparkContext.environment
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in parts:
-        env["PYTHONPATH"] = os.pathsep.join(parts + [root])
-    # the driver's object-store settings and dstl switches, also when they were set after the JVM started
-    local = spark.sparkContext.master.startswith("local")
-    for k, v in os.environ.items():
-        if (k.startswith(FORWARDED_ENV_PREFIXES) or (local and k in LOCAL_ONLY_ENV)) and env.get(k) != v:
-            env[k] = v
-
 
 # ------------------------------------------------------------------ columns
 
@@ -198,6 +182,11 @@ class TaskReport:
     metrics: str = "{}"
     #: the backend continued from this worker's memory (a cache hit)
     continued: bool = False
+    #: the Spark executor that ran the task ("driver" in local mode)
+    executor: str = ""
+    #: where the state came from: "memory" (continued), "local" (this host's local-recovery copy),
+    #: "dfs" (the base path), "new" (no checkpoint yet)
+    restore_source: str = ""
 
     @classmethod
     def from_row(cls, row) -> "TaskReport":
@@ -206,6 +195,8 @@ class TaskReport:
         if d.get("metrics") is None:
             d["metrics"] = "{}"
         d["continued"] = bool(d.get("continued"))
+        d["executor"] = d.get("executor") or ""
+        d["restore_source"] = d.get("restore_source") or ""
         return cls(**d)
 
     def metric(self, name: str, default: int = 0) -> int:
@@ -308,6 +299,7 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
 def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
     """Continue or restore subtask `subtask`'s state, apply `fn`, stage the output, snapshot."""
     from dstl.spark.cache import CACHE, CacheEntry, storage_for
+    from dstl.spark.session import executor_id
 
     if not plan.durable:
         return _run_in_memory(plan, fn, rows, subtask, attempt, arrow_schema)
@@ -323,6 +315,7 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
         CACHE._close_stale(CacheEntry(backend, plan.restore_checkpoint_id, want_token), None)
         backend = None
     from_memory = backend is not None
+    source = "dfs"
     if backend is None:
         backend = open_backend(storage, plan, subtask)
     # restored: really rebuilt from a checkpoint's changelog (a fresh job's first batch is not)
@@ -357,7 +350,8 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
                 restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t1) * 1e3,
                 snapshot_ms=(t3 - t2) * 1e3, state_size=_state_size(snapshot), pid=os.getpid(),
                 host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses,
-                metrics=json.dumps(_TASK["metrics"]), continued=from_memory)
+                metrics=json.dumps(_TASK["metrics"]), continued=from_memory, executor=executor_id(),
+                restore_source="memory" if from_memory else (source if restored else "new"))
 
 
 def _quiet_expected_warnings() -> None:
@@ -375,6 +369,7 @@ _MEMORY: Dict[Tuple, Any] = {}
 def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema):
     """Baseline: the same operator on dict state kept in this worker (lost whenever the worker changes)."""
     from dstl.spark.memory import MemoryState
+    from dstl.spark.session import executor_id
 
     key = (plan.job_id, plan.operator_id, plan.parallelism, subtask)
     state = _MEMORY.setdefault(key, MemoryState())
@@ -387,7 +382,7 @@ def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attem
                 rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0,
                 process_ms=(t2 - t1) * 1e3, snapshot_ms=0.0, state_size=0, pid=os.getpid(),
                 host=socket.gethostname(), cache_hits=0, cache_misses=0, metrics="{}",
-                continued=False)
+                continued=False, executor=executor_id(), restore_source="memory")
 
 
 def _fault_mid_batch(plan: CheckpointPlan, fn: Callable, rows, backend, subtask: int) -> None:
@@ -405,21 +400,31 @@ def _fault_mid_batch(plan: CheckpointPlan, fn: Callable, rows, backend, subtask:
 
 
 def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequence[str],
-               order_by: Optional[Sequence[str]], fixed_subtask: Optional[int] = None):
+               order_by: Optional[Sequence[str]]):
+    """The mapInPandas function: partition i is subtask i (by the shuffle's salt, or by the anchor
+    of dstl.spark.session.SubtaskStage, whose all-null row stands for a subtask without rows)."""
     def task(batches):  # pragma: no cover - runs in the Python worker (covered by the Spark tests)
         import pandas as pd
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        subtask = ctx.partitionId() if fixed_subtask is None else fixed_subtask
+        subtask = ctx.partitionId()
         frames = [b for b in batches if len(b)]
         rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(columns))
+        if ANCHOR_COL in rows.columns:
+            anchors = rows[ANCHOR_COL].unique()
+            if len(anchors) > 1 or (len(anchors) and int(anchors[0]) != subtask):
+                raise RuntimeError(f"Spark task of partition {subtask} scanned anchor rows {sorted(anchors)}: "
+                                   f"placement broken")
+            rows = rows[rows[SUBTASK_COL].notna()]  # the left join's row for a subtask without rows
+        if SEQ_COL in rows.columns and len(rows) > 1:
+            rows = rows.sort_values(SEQ_COL, kind="stable")
         if len(rows) and SUBTASK_COL in rows.columns:
             wrong = rows[SUBTASK_COL].to_numpy() != subtask
             if wrong.any():
                 raise RuntimeError(f"Spark task for subtask {subtask} received rows of subtask "
                                    f"{int(rows[SUBTASK_COL].to_numpy()[wrong][0])}: routing broken")
-        rows = rows.drop(columns=[c for c in INTERNAL_COLS if c in rows.columns])
+        rows = rows.drop(columns=[c for c in INTERNAL_COLS if c in rows.columns]).reset_index(drop=True)
         if order_by and len(rows) > 1:
             rows = rows.sort_values(list(order_by), kind="stable", ignore_index=True)
         report = run_subtask(plan, fn, rows, subtask, ctx.attemptNumber(), arrow_schema)
@@ -437,22 +442,18 @@ def _arrow_output_schema(schema):
     return to_arrow_schema(schema)
 
 
-#: environment variable that gives each logical subtask its own pool of Python workers
-SLOT_ENV = "DSTL_SUBTASK_SLOT"
-
-
 def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
                                  parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
-                                 order_by: Optional[Sequence[str]] = None, events_schema: Any = None):
+                                 order_by: Optional[Sequence[str]] = None, events_schema: Any = None,
+                                 stage: Any = None):
     """Same as `stateful_map_in_pandas` for a micro-batch held by the driver as a pandas DataFrame.
 
-    The driver routes the rows itself (vectorised key groups) and builds one single-partition
-    branch per subtask. Each branch's `mapInPandas` carries its own `DSTL_SUBTASK_SLOT` environment
-    value, and Spark keeps a separate pool of reused Python workers per distinct environment, so
-    subtask i always runs in the same Python worker of an executor: its state continues from memory
-    batch after batch instead of being restored (which happens only after a failure or a rescale).
+    The driver computes each row's subtask (vectorised key groups) and the batch runs as one stage
+    of P tasks placed by `stage` (a `dstl.spark.session.SubtaskStage` the caller keeps across
+    batches, so subtask i stays on its executor and continues its state from memory; without one,
+    a throw-away stage places the subtasks anew).
     """
-    import numpy as np
+    import pyarrow as pa
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
 
@@ -465,64 +466,53 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
         raise ValueError(f"key column {key!r} not in the batch (columns: {', '.join(pdf.columns)})")
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
-    if events_schema is None:  # from the pandas dtypes (an empty branch cannot infer one)
-        import pyarrow as pa
-        from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.pandas.types import from_arrow_schema
+    from pyspark.sql.types import IntegerType, StructField, StructType
 
+    if events_schema is None:  # from the pandas dtypes
         events_schema = from_arrow_schema(pa.Schema.from_pandas(pdf, preserve_index=False))
+    elif isinstance(events_schema, str):
+        events_schema = StructType.fromDDL(events_schema)
     if order_by:
         pdf = pdf.sort_values(list(order_by), kind="stable", ignore_index=True)
     subtasks = operator_indices_for_key_groups(assign_key_groups(pdf[key], max_parallelism),
                                                max_parallelism, parallelism)
-    order = np.argsort(subtasks, kind="stable")
-    bounds = np.searchsorted(subtasks[order], np.arange(parallelism + 1))
-    return _pinned_union(
-        spark, parallelism,
-        lambda i: spark.createDataFrame(pdf.iloc[order[bounds[i]:bounds[i + 1]]], schema=events_schema),
-        lambda i: _make_task(checkpoint, fn, arrow_schema, list(pdf.columns), None, fixed_subtask=i))
+    import numpy as np
+    from pyspark.sql.types import LongType
+
+    keyed = pdf.assign(**{SUBTASK_COL: subtasks.astype("int32"), SEQ_COL: np.arange(len(pdf), dtype="int64")})
+    full = StructType(list(events_schema.fields) + [StructField(SUBTASK_COL, IntegerType(), False),
+                                                    StructField(SEQ_COL, LongType(), False)])
+    sdf = spark.createDataFrame(keyed, schema=full)
+    task = _make_task(checkpoint, fn, arrow_schema, list(keyed.columns), None)
+    return _on_stage(spark, stage, parallelism, sdf, task)
 
 
-def _pinned_union(spark, parallelism: int, part_of: Callable, task_of: Callable):
-    """One single-partition `mapInPandas` branch per subtask, each created while `DSTL_SUBTASK_SLOT`
-    names that subtask (the UDF captures the environment when it is created), so subtask i keeps
-    running in the same Python worker; the branches' reports unioned."""
-    env = spark.sparkContext.environment
-    saved = env.get(SLOT_ENV)
-    branches = []
-    try:
-        for i in range(parallelism):
-            part = part_of(i).coalesce(1)
-            env[SLOT_ENV] = str(i)
-            branches.append(part.mapInPandas(task_of(i), REPORT_SCHEMA))
-    finally:
-        if saved is None:
-            env.pop(SLOT_ENV, None)
-        else:
-            env[SLOT_ENV] = saved
-    out = branches[0]
-    for b in branches[1:]:
-        out = out.union(b)
-    return out
+def _on_stage(spark, stage, parallelism: int, sdf, task):
+    from dstl.spark.session import SubtaskStage
+
+    if stage is None:
+        stage = SubtaskStage(spark, parallelism)
+    elif stage.parallelism != parallelism:
+        raise ValueError(f"the stage is for parallelism {stage.parallelism}, the plan for {parallelism}")
+    return stage.run(sdf, SUBTASK_COL, task, REPORT_SCHEMA)
 
 
-def stateful_map_in_pandas_pinned(df, fn: Callable, schema, *, checkpoint: CheckpointPlan,
-                                  order_by: Optional[Sequence[str]] = None):
-    """`stateful_map_in_pandas` for a Spark DataFrame that already has the `SUBTASK_COL` column and
-    that the caller has persisted: one filtered single-partition `mapInPandas` branch per subtask,
-    each with its own `DSTL_SUBTASK_SLOT` (as `stateful_map_in_pandas_local` does), so subtask i keeps
-    running in the same Python worker and continues its state from memory, and nothing is collected
-    to the driver. Each branch scans the persisted input once; that is cheap next to a shuffle."""
-    from pyspark.sql import functions as F
-
+def stateful_map_in_pandas_staged(df, fn: Callable, schema, *, checkpoint: CheckpointPlan,
+                                  order_by: Optional[Sequence[str]] = None, stage: Any = None):
+    """`stateful_map_in_pandas` for a Spark DataFrame that already has the `SUBTASK_COL` column:
+    one stage of P tasks placed by `stage` (see `stateful_map_in_pandas_local`); the batch reaches
+    the tasks as a broadcast, so nothing is shuffled and nothing is collected by dstl itself."""
     if SUBTASK_COL not in df.columns:
         raise ValueError(f"the DataFrame lacks the {SUBTASK_COL!r} column (use with_subtask first)")
+    from pyspark.sql import functions as F
+
     spark = df.sparkSession
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
-    return _pinned_union(
-        spark, checkpoint.parallelism,
-        lambda i: df.filter(F.col(SUBTASK_COL) == i),
-        lambda i: _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by, fixed_subtask=i))
+    df = df.withColumn(SEQ_COL, F.monotonically_increasing_id())
+    task = _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by)
+    return _on_stage(spark, stage, checkpoint.parallelism, df, task)
 
 
 def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,

@@ -10,8 +10,9 @@ of batch ids: a bootstrapped first checkpoint, an offline rescale). Per batch, o
 1. a replayed batch id (already in a completed checkpoint) changes no state: it only finishes that
    batch's output commit and calls the sink if it has not returned yet; a gap is an error;
 2. the input gets its logical subtask column (null keys: an error, or dropped and counted), late
-   rows are dropped and counted (EventTime), the batch is persisted and each subtask runs as its
-   own pinned Spark task, continuing its state from its Python worker's memory;
+   rows are dropped and counted (EventTime), and the batch runs as ONE Spark stage of P concurrent
+   tasks, task i = subtask i, each on the executor that ran it last batch (dstl.spark.session), so it
+   continues its state from its Python worker's memory;
 3. the checkpoint metadata (watermark, state schemas, Spark's batch id) is written atomically,
    then the staged output is committed to ``<output>/batch_id=N/`` and the sink called once.
 """
@@ -182,6 +183,7 @@ class StatefulStream:
         #: {state: {"old": record, "new": record}} to convert in the next batch (a resume's first)
         self._evolutions: Dict[str, Dict[str, Any]] = {}
         self.coordinator = None
+        self._stage = None
         #: the latest batches' results (a long-running query keeps only these)
         self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
 
@@ -293,9 +295,21 @@ class StatefulStream:
         return self._run_batch(df, batch_id, source)
 
     def close(self) -> None:
-        """After the last batch (query stopped): delete changelog files no checkpoint needs."""
+        """After the last batch (query stopped): delete changelog files no checkpoint needs, and
+        release the placement anchor."""
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
         if self.coordinator is not None:
             self.coordinator.finish()
+
+    def _stage_for(self, spark):
+        """The stage that keeps subtask i on its executor (a new one for a new session)."""
+        from dstl.spark.session import SubtaskStage
+
+        if self._stage is None or self._stage.spark is not spark:
+            self._stage = SubtaskStage(spark, self.parallelism)
+        return self._stage
 
     # ---------------------------------------------------------------- one batch
     def _spark_of(self, df):
@@ -309,9 +323,8 @@ class StatefulStream:
         return df.sparkSession, df
 
     def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
-        from pyspark import StorageLevel
         from dstl.spark import faults
-        from dstl.spark.keyed import (SUBTASK_COL, TaskReport, stateful_map_in_pandas_pinned)
+        from dstl.spark.keyed import SUBTASK_COL, TaskReport, stateful_map_in_pandas_staged
         from dstl.spark.processor import BatchContext, make_task_fn
 
         coord = self.coordinator
@@ -331,25 +344,22 @@ class StatefulStream:
         keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
         if self.time_mode == "EventTime":
             keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
-        # each subtask's branch scans this; Spark computes a cached partition once, the others wait for it
-        keyed = keyed.persist(StorageLevel.MEMORY_AND_DISK)
+        stage = self._stage_for(spark)
         t_prep = time.perf_counter()
-        try:
-            out_schema = self._output_struct_type()
-            ctx = BatchContext(batch_ts, watermark, self.time_mode, api=self.api)
-            if self.api == "row":
-                ctx = self._row_context(ctx, spark, sdf, out_schema)
-            initial = self._initial_by_subtask(maxp) if latest is None else None
-            fn = make_task_fn(self.processor, self.key, ctx, initial,
-                              event_col=ET_COL if self.time_mode == "EventTime" else None,
-                              evolutions=self._evolutions)
-            plan = coord.plan(batch_id, self.parallelism)
-            plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-            reports_df = stateful_map_in_pandas_pinned(keyed, fn, out_schema, checkpoint=plan)
-            reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
-            t_tasks = time.perf_counter()
-        finally:
-            keyed.unpersist()
+        # the broadcast inside the stage evaluates `keyed` once: nothing to persist
+        out_schema = self._output_struct_type()
+        ctx = BatchContext(batch_ts, watermark, self.time_mode, api=self.api)
+        if self.api == "row":
+            ctx = self._row_context(ctx, spark, sdf, out_schema)
+        initial = self._initial_by_subtask(maxp) if latest is None else None
+        fn = make_task_fn(self.processor, self.key, ctx, initial,
+                          event_col=ET_COL if self.time_mode == "EventTime" else None,
+                          evolutions=self._evolutions)
+        plan = coord.plan(batch_id, self.parallelism)
+        plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
+        reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage)
+        reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
+        t_tasks = time.perf_counter()
         nulls = sum(r.metric("null_rows") for r in reports)
         if nulls and self.null_keys == "error":
             # no checkpoint: the tasks' work is abandoned, the next attempt restores the last checkpoint

@@ -1,0 +1,195 @@
+"""Everything dstl asks of Spark itself, in one place (a Spark Connect side can go behind it).
+
+* `ensure_importable_on_workers` / `set_worker_env`: ship the package path and dstl's environment
+  to the Python workers.
+* `SubtaskStage`: one micro-batch as ONE Spark stage of P concurrent tasks, task i = subtask i,
+  with subtask i kept on the same executor batch after batch (docs/spark.md, "Placement").
+* `executor_id` (runs in a Python worker): the id of the executor running the task.
+
+The placement trick. An *anchor* ``spark.range(0, P, 1, numPartitions=P)`` (partition i holds the
+value i) is persisted and materialised once. Its cached blocks stay on the executors that computed
+them, and the DAGScheduler gives any later stage that scans the anchor through narrow dependencies
+the blocks' executors as PROCESS_LOCAL preferred locations; delay scheduling (`spark.locality.wait`)
+then runs partition i on that executor again. Per batch the stage is
+``anchor LEFT JOIN broadcast(batch) ON anchor = subtask`` followed by ``mapInPandas``: the cached
+anchor is the streamed side, so there is no shuffle and no union (whatever
+``spark.sql.unionOutputPartitioning`` says), every subtask's task runs even without rows (the left
+join keeps its anchor row), and partition i receives exactly subtask i's rows. If an executor is
+lost, its anchor blocks are recomputed where the retried tasks run: those subtasks move once and
+then stay on their new executor.
+
+Nothing here uses an RDD outside this module; `sparkContext` is touched only for the worker
+environment, the log level and the executor count, each with a fallback.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, Optional
+
+log = logging.getLogger(__name__)
+
+#: the anchor's column: the subtask a partition stands for
+ANCHOR_COL = "_dstl_anchor"
+
+#: environment variables the Python workers get from the driver
+FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "FSSPEC_")
+#: forwarded only with a local master (same machine); on a cluster executors bring their own
+#: credentials (instance roles, spark.executorEnv.*), they are not shipped inside tasks
+LOCAL_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+# ------------------------------------------------------------------ the workers' environment
+
+def _worker_env(spark) -> Optional[Dict[str, str]]:
+    """The mutable environment Spark hands to Python workers it starts (None under Spark Connect)."""
+    try:
+        return spark.sparkContext.environment
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        return None
+
+
+def _master(spark) -> str:
+    try:
+        return spark.conf.get("spark.master", "") or ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def ensure_importable_on_workers(spark) -> None:
+    """Let Python workers import the same dstl as the driver.
+
+    An installed package (pip install, also editable) is found by the workers anyway. When dstl is
+    used from a source tree (tests, a checkout on PYTHONPATH), its parent directory is added to the
+    PYTHONPATH Spark hands to the Python workers it starts. On a real cluster install the package on
+    every executor (see docs/spark.md, "A real cluster").
+    """
+    import dstl
+
+    env = _worker_env(spark)
+    if env is None:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dstl.__file__)))
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts + [root])
+    # the driver's object-store settings and dstl switches, also when they were set after the JVM started
+    local = _master(spark).startswith("local")
+    for k, v in os.environ.items():
+        if (k.startswith(FORWARDED_ENV_PREFIXES) or (local and k in LOCAL_ONLY_ENV)) and env.get(k) != v:
+            env[k] = v
+
+
+def set_worker_env(spark, name: str, value: Optional[str]) -> None:
+    """Set (or with None remove) one variable of the Python workers' environment."""
+    env = _worker_env(spark)
+    if env is None:
+        return
+    if value is None:
+        env.pop(name, None)
+    else:
+        env[name] = value
+
+
+def quiet(spark, level: str = "ERROR") -> None:
+    """Spark's own log level for this application."""
+    try:
+        spark.sparkContext.setLogLevel(level)
+    except Exception:  # noqa: BLE001 - Spark Connect
+        pass
+
+
+def executor_count(spark) -> Optional[int]:
+    """Executors currently registered (the driver not counted; local mode: 1), None if unknown."""
+    if _master(spark).startswith("local["):
+        return 1
+    try:
+        n = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()  # includes the driver
+        return max(1, int(n) - 1)
+    except Exception:  # noqa: BLE001 - Spark Connect, or the JVM API changed
+        return None
+
+
+# ------------------------------------------------------------------ the per-batch stage
+
+class SubtaskStage:
+    """Run one micro-batch as one stage of `parallelism` tasks, task i = subtask i, placed by the
+    cached anchor (see the module docstring). One per stream or job and parallelism; `close()`
+    unpersists the anchor."""
+
+    def __init__(self, spark, parallelism: int):
+        if isinstance(parallelism, bool) or not isinstance(parallelism, int) or parallelism < 1:
+            raise ValueError(f"parallelism must be a positive int, got {parallelism!r}")
+        self.spark = spark
+        self.parallelism = parallelism
+        self._anchor = None
+        self.placements = 0
+
+    def anchor(self):
+        """The persisted anchor, materialised on first use (or again after `replace()`)."""
+        if self._anchor is None:
+            from pyspark import StorageLevel
+
+            df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
+            df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
+            df.count()  # materialise: P tasks with no preference, spread over the free cores
+            self._anchor = df
+            self.placements += 1
+        return self._anchor
+
+    def replace(self) -> None:
+        """Forget the anchor's placement: the next batch places every subtask anew."""
+        self.close()
+
+    def run(self, batch, subtask_col: str, task: Callable, schema: Any):
+        """The DataFrame of `task`'s output for `batch` (a DataFrame with `subtask_col`): partition i
+        of one stage gets subtask i's rows (plus the anchor column, and one all-null row for a
+        subtask without rows). Evaluate it once."""
+        from pyspark.sql import functions as F
+
+        anchor = self.anchor()
+        joined = anchor.join(F.broadcast(batch), F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
+        return joined.mapInPandas(task, schema)
+
+    def close(self) -> None:
+        if self._anchor is not None:
+            try:
+                self._anchor.unpersist()
+            except Exception:  # noqa: BLE001 - the session may be gone already
+                pass
+            self._anchor = None
+
+
+# ------------------------------------------------------------------ in the Python worker
+
+_EXECUTOR_ID: Optional[str] = None
+
+
+def executor_id() -> str:
+    """The id of the executor whose Python worker runs this code: the executor JVM is an ancestor
+    of the worker (via pyspark's daemon) and carries ``--executor-id N`` on its command line; a JVM
+    without it is the driver (local mode). "unknown" where /proc is not available."""
+    global _EXECUTOR_ID
+    if _EXECUTOR_ID is None:
+        _EXECUTOR_ID = _find_executor_id(os.getpid())
+    return _EXECUTOR_ID
+
+
+def _find_executor_id(pid: int) -> str:
+    for _ in range(6):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return "unknown"
+        if b"--executor-id" in args:
+            i = args.index(b"--executor-id")
+            return args[i + 1].decode() if i + 1 < len(args) else "unknown"
+        if args and os.path.basename(args[0]) == b"java":
+            return "driver"
+        if ppid <= 1:
+            return "unknown"
+        pid = ppid
+    return "unknown"
