@@ -47,6 +47,8 @@ def main(work: str) -> int:
     from pyspark.sql import functions as F
 
     spark = (SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2")
+             # a Python worker (foreachBatch's too) that starts slowly on a loaded machine still connects
+             .config("spark.python.authenticate.socketTimeout", "120s")
              .config("spark.sql.streaming.stateStore.providerClass",
                      "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
              .getOrCreate())
@@ -77,13 +79,18 @@ def main(work: str) -> int:
         query = (read_stream(spark, source).writeStream.foreachBatch(stream)
                  .option("checkpointLocation", os.path.join(work, "fb-ckpt")).trigger(availableNow=True).start())
         query.awaitTermination()
-        return {"progress_batches": len(query.recentProgress)}
+        from dstl.state.metadata import list_checkpoints, read_checkpoint
+
+        placement = [read_checkpoint(os.path.join(work, "fb"), c).properties.get("placement")
+                     for c in list_checkpoints(os.path.join(work, "fb"))]
+        return {"progress_batches": len(query.recentProgress), "placement": placement}
 
     def run_pandas_api_and_rescale():
         base = os.path.join(work, "run")
-        res = [StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=2).run(static(b))
-               for b in range(2)]
-        rescaled = StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=3).run(static(2))
+        res = [StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=2,
+                              retain=5).run(static(b)) for b in range(2)]
+        rescaled = StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=3,
+                                  retain=5).run(static(2))
         return {"batch_ids": [r.batch_id for r in res + [rescaled]], "rows_out": [r.rows_out for r in res + [rescaled]],
                 "rescale_restored": rescaled.restored, "subtasks": sorted(t.subtask for t in rescaled.reports)}
 
@@ -116,6 +123,14 @@ def main(work: str) -> int:
         return {"checkpoint": meta.checkpoint_id, "batch_id": r.batch_id, "next_checkpoint": r.checkpoint_id,
                 "seeds": seeds}
 
+    def seam():
+        from dstl.spark import session as S
+
+        return {"is_connect": S.is_connect(spark), "default_parallelism": S.default_parallelism(spark),
+                "worker_env": S._worker_env(spark), "executor_count": S.executor_count(spark),
+                "quiet": S.quiet(spark)}
+
+    scenario("seam", seam)
     scenario("foreach_batch_row_api", foreach_batch_row_api)
     scenario("run_pandas_api_and_rescale", run_pandas_api_and_rescale)
     scenario("readers", readers)

@@ -73,10 +73,30 @@ def _same(actual, expected, columns, what):
 BATCHES = make_batches(3, 600, 200)  # what the driver feeds
 
 
+def test_session_seam_classic_and_connect(connect_run, spark):
+    """dstl.spark.session under both kinds of session: the classic one uses the context, the Connect
+    one never touches it (the driver hid it) and answers from the configuration."""
+    from dstl.spark import session as S
+
+    assert not S.is_connect(spark)
+    assert S.default_parallelism(spark) == spark.sparkContext.defaultParallelism
+    assert S._worker_env(spark) is spark.sparkContext.environment
+    assert S.executor_count(spark) == 1
+    _, got = _scenario(connect_run, "seam")
+    assert got["is_connect"] is True and got["worker_env"] is None
+    assert got["default_parallelism"] == 2  # spark.sql.shuffle.partitions of the driver's session
+    assert got["executor_count"] in (1, None)
+
+
 def test_foreach_batch_with_the_row_api_under_connect(connect_run):
     work, got = _scenario(connect_run, "foreach_batch_row_api")
     _same(read_output(os.path.join(work, "fb", "output")), reference_counts(BATCHES), COUNT_COLS,
           "foreachBatch(StatefulStream(api='row')) under Connect")
+    # the scale-out routing holds: every batch one stage of 2 subtasks, later ones continued
+    # from the workers' memory or restored, never lost
+    placement = [p for p in got["placement"] if p]
+    assert len(placement) == 3 and all(p["subtasks"] == 2 for p in placement)
+    assert all(p["warm"] + p["restored"] == 2 for p in placement[1:])
 
 
 def test_run_and_rescale_under_connect(connect_run):

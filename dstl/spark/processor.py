@@ -102,12 +102,42 @@ class BatchContext:
         return TimerValues(self.batch_timestamp_ms, wm)
 
 
+def _plain_types(value_schema) -> Optional[Tuple[type, ...]]:
+    """The exact Python type of each field when every field is a plain long/int/double/string/bool
+    (stored as itself), else None: then a tuple of exactly those types encodes and decodes as a plain
+    copy, which is most per-key state and skips the per-field codecs."""
+    from pyspark.sql import types as T
+
+    plain = ((T.ByteType, int), (T.ShortType, int), (T.IntegerType, int), (T.LongType, int),
+             (T.DoubleType, float), (T.FloatType, float), (T.StringType, str), (T.BooleanType, bool))
+    out = []
+    for f in value_schema.struct.fields:
+        t = next((py for spark_t, py in plain if isinstance(f.dataType, spark_t)), None)
+        if t is None:
+            return None
+        out.append(t)
+    return tuple(out)
+
+
 class _StateAdapter:
     def __init__(self, handle: "ProcessorHandle", state: Any, spec: StateSchema):
         self._h = handle
         self._s = state
         self._spec = spec
         self._v = spec.value
+        self._plain = _plain_types(spec.value)
+
+    def _enc(self, value: Any) -> Any:
+        """The value schema's encode, with the plain-tuple fast path (same result)."""
+        p = self._plain
+        if p is not None and type(value) in (tuple, list) and tuple(map(type, value)) == p:
+            return list(value)
+        return self._v.encode(value)
+
+    def _dec(self, stored: Any) -> Tuple:
+        if self._plain is not None and len(stored) == len(self._plain):
+            return tuple(stored)  # plain fields are stored as themselves (None included)
+        return self._v.decode(stored)
 
     def _key(self) -> Any:
         k = self._h._key
@@ -128,10 +158,10 @@ class ValueStateAdapter(_StateAdapter):
 
     def get(self) -> Optional[Tuple]:
         w = self._s.get(self._key())
-        return None if w is None else self._v.decode(w)
+        return None if w is None else self._dec(w)
 
     def update(self, newValue: Tuple) -> None:
-        self._s.update(self._key(), self._v.encode(newValue))
+        self._s.update(self._key(), self._enc(newValue))
 
     def clear(self) -> None:
         self._s.clear(self._key())
