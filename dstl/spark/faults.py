@@ -7,8 +7,9 @@ unless a fault is armed for that point and batch. Arm faults either
   ``DSTL_*`` variables to its Python workers, so task-side points work too), or
 * in-process, ``with faults.armed("stream.after_checkpoint@2=raise"): ...`` (same syntax).
 
-Actions: ``kill`` (SIGKILL this process: a real crash, no cleanup), ``raise`` (raise
-`InjectedFault`). An action may end with ``:once=<path>``: it fires only if that marker file does
+Actions: ``kill`` (SIGKILL this process: a real crash, no cleanup), ``kill-executor`` (in a
+Python worker: SIGKILL the executor JVM that runs it, i.e. a lost executor; in local mode, where the
+JVM is the driver, only this process), ``raise`` (raise `InjectedFault`). An action may end with ``:once=<path>``: it fires only if that marker file does
 not exist yet and creates it (a retried Spark task then succeeds).
 
 Points:
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 ENV = "DSTL_FAULTS"
+ACTIONS = ("kill", "kill-executor", "raise")
 
 __all__ = ["InjectedFault", "point", "armed", "parse", "ENV"]
 
@@ -52,12 +54,12 @@ def parse(spec: str) -> List[Fault]:
     for item in filter(None, (p.strip() for p in (spec or "").split(","))):
         where, sep, action = item.partition("=")
         if not sep:
-            raise ValueError(f"{ENV}: {item!r} has no '=<action>' (kill or raise)")
+            raise ValueError(f"{ENV}: {item!r} has no '=<action>' ({', '.join(ACTIONS)})")
         once = None
         if ":once=" in action:
             action, once = action.split(":once=", 1)
-        if action not in ("kill", "raise"):
-            raise ValueError(f"{ENV}: unknown action {action!r} in {item!r} (kill or raise)")
+        if action not in ACTIONS:
+            raise ValueError(f"{ENV}: unknown action {action!r} in {item!r} ({', '.join(ACTIONS)})")
         name, _, batch = where.partition("@")
         batch, _, subtask = batch.partition("/")
         try:
@@ -105,9 +107,20 @@ def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = No
             before()
         where = f"batch {batch}" + (f", subtask {subtask}" if subtask is not None else "")
         msg = f"injected fault at {name} ({where}){': ' + detail if detail else ''}"
-        if f.action == "kill":
+        if f.action == "kill-executor":
+            _kill_executor()
+        if f.action in ("kill", "kill-executor"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(msg)
+
+
+def _kill_executor() -> None:
+    """SIGKILL the executor JVM among this process's ancestors (none in local mode)."""
+    from dstl.spark.session import executor_process
+
+    pid = executor_process()[0]
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
 
 
 def _claim(marker: str) -> bool:

@@ -86,7 +86,11 @@ class StatefulJob:
             reports_df = stateful_map_in_pandas(
                 df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by)
         # collected exactly once: a second evaluation would run the tasks again
-        reports = [TaskReport.from_row(r) for r in reports_df.collect()]
+        from dstl.spark.session import collect
+
+        spark = self.spark if self.spark is not None else df.sparkSession
+        rows = collect(spark, reports_df, f"dstl {coord.spec.operator_id} batch {batch}")
+        reports = [TaskReport.from_row(r) for r in rows]
         stats = coord.complete(plan, reports, properties=properties, after_metadata=after_metadata)
         seconds = time.perf_counter() - t0
         restored = [r for r in reports if r.restored]

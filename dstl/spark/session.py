@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,25 @@ def executor_count(spark) -> Optional[int]:
         return None
 
 
+def collect(spark, df, description: str):
+    """`df.collect()` with `description` as the Spark job description (the UI's and the event
+    log's ``spark.job.description``), so a batch's jobs can be told apart."""
+    if is_connect(spark):  # a Connect client sets no local properties: no description
+        return df.collect()
+    key = "spark.job.description"
+    try:
+        sc = spark.sparkContext
+        saved = sc.getLocalProperty(key)  # foreachBatch's own ("id = ..., batch = N")
+        sc.setLocalProperty(key, description)
+    except Exception:  # noqa: BLE001 - Spark Connect: no job description, the rows all the same
+        sc = None
+    try:
+        return df.collect()
+    finally:
+        if sc is not None:
+            sc.setLocalProperty(key, saved)
+
+
 # ------------------------------------------------------------------ the per-batch stage
 
 class SubtaskStage:
@@ -209,11 +228,14 @@ def executor_id() -> str:
     without it is the driver (local mode). "unknown" where /proc is not available."""
     global _EXECUTOR_ID
     if _EXECUTOR_ID is None:
-        _EXECUTOR_ID = _find_executor_id(os.getpid())
+        _EXECUTOR_ID = executor_process()[1]
     return _EXECUTOR_ID
 
 
-def _find_executor_id(pid: int) -> str:
+def executor_process() -> Tuple[Optional[int], str]:
+    """(pid of the executor JVM running this Python worker, its executor id); (None, "driver") in
+    local mode, (None, "unknown") without /proc."""
+    pid = os.getppid()
     for _ in range(6):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -221,13 +243,13 @@ def _find_executor_id(pid: int) -> str:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
-            return "unknown"
+            return None, "unknown"
         if b"--executor-id" in args:
             i = args.index(b"--executor-id")
-            return args[i + 1].decode() if i + 1 < len(args) else "unknown"
+            return pid, (args[i + 1].decode() if i + 1 < len(args) else "unknown")
         if args and os.path.basename(args[0]) == b"java":
-            return "driver"
+            return None, "driver"
         if ppid <= 1:
-            return "unknown"
+            return None, "unknown"
         pid = ppid
-    return "unknown"
+    return None, "unknown"

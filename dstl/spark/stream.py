@@ -326,6 +326,7 @@ class StatefulStream:
         from dstl.spark import faults
         from dstl.spark.keyed import SUBTASK_COL, TaskReport, stateful_map_in_pandas_staged
         from dstl.spark.processor import BatchContext, make_task_fn
+        from dstl.spark.session import collect
 
         coord = self.coordinator
         spark, sdf = self._spark_of(df)
@@ -358,7 +359,9 @@ class StatefulStream:
         plan = coord.plan(batch_id, self.parallelism)
         plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
         reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage)
-        reports = [TaskReport.from_row(r) for r in reports_df.collect()]  # evaluated exactly once
+        # evaluated exactly once
+        rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
+        reports = [TaskReport.from_row(r) for r in rows]
         t_tasks = time.perf_counter()
         nulls = sum(r.metric("null_rows") for r in reports)
         if nulls and self.null_keys == "error":

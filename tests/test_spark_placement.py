@@ -1,0 +1,113 @@
+"""One Spark stage of P concurrent tasks per batch, subtasks that stay on their executors, and lost
+Python workers and executors that change nothing in the output (dstl.spark.session, docs/spark.md
+"Placement"). Checked from Spark's own event log, not only from dstl's reports.
+
+Heavy (driver processes with their own JVMs; local-cluster starts two executor JVMs): runs under
+the Cython build only; the pure-Python twins run the same tasks in tests/test_stream.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from conftest import expected_implementation
+from driver_util import run_driver
+from eventlog_util import batch_stages, overlapping, successful
+from streaming_util import make_batches, normalize, read_output, reference_counts
+
+pytestmark = pytest.mark.skipif(expected_implementation() == "python",
+                                reason="heavy: runs once, under the Cython build")
+
+EVENTS, KEYS = 400, 60
+COLUMNS = ["batch_id", "user", "events", "value_sum", "batches", "kinds", "top_kind_events"]
+
+
+def _drive(tmp_path, name, master, parallelism, batches, base, first=0, faults=None):
+    result, eventlog = str(tmp_path / f"{name}.json"), str(tmp_path / f"events-{name}")
+    rc, out = run_driver("placement_driver.py", [
+        result, "--master", master, "--parallelism", str(parallelism), "--batches", str(batches),
+        "--first-batch", str(first), "--base", base, "--events", str(EVENTS), "--keys", str(KEYS),
+        "--eventlog", eventlog], faults, timeout=480)
+    assert rc == 0, out[-4000:]
+    with open(result) as f:
+        results = json.load(f)
+    assert [r["batch"] for r in results] == list(range(first, batches))
+    return results, batch_stages(eventlog), out
+
+
+def _check_exact(base, n_batches):
+    expected = reference_counts(make_batches(n_batches, EVENTS, KEYS))
+    got = read_output(os.path.join(base, "output"))
+    pd.testing.assert_frame_equal(normalize(got, COLUMNS), normalize(expected, COLUMNS))
+
+
+def _check_stages(results, stages, parallelism):
+    """Every batch: one stage whose P partitions each succeeded once, on the executor the report names."""
+    for r in results:
+        runs = stages[r["batch"]]
+        ok = successful(runs)
+        assert sorted(ok) == list(range(parallelism)), (r["batch"], runs)
+        assert len([x for x in runs if x.success]) == parallelism
+        for rep in r["reports"]:
+            assert rep["executor"] == ok[rep["subtask"]].executor, (r["batch"], rep)
+
+
+def _warm(results):
+    reps = [rep for r in results for rep in r["reports"]]
+    return sum(rep["continued"] for rep in reps), len(reps)
+
+
+def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(tmp_path):
+    base = str(tmp_path / "job")
+    marker = str(tmp_path / "fired")
+    results, stages, out = _drive(tmp_path, "local", "local[2,4]", 4, 4, base,
+                                  faults=f"task.mid_batch@2/1=kill:once={marker}")
+    _check_stages(results, stages, 4)
+    for r in results:
+        assert overlapping(stages[r["batch"]]), r["batch"]       # two cores busy at once
+        assert len({rep["pid"] for rep in r["reports"]}) >= 2    # in different Python workers
+        assert {rep["executor"] for rep in r["reports"]} == {"driver"}
+    # the killed worker's task failed once and was retried; the retry restored subtask 1
+    assert any(x.partition == 1 and not x.success for x in stages[2])
+    [retried] = [rep for rep in results[2]["reports"] if rep["subtask"] == 1]
+    assert retried["attempt"] >= 1 and retried["restored"] and retried["restore_source"] == "dfs"
+    # one INFO line per batch, naming each subtask's executor
+    lines = [ln for ln in out.splitlines() if "dstl.spark.placement INFO batch" in ln]
+    assert len(lines) == 4 and all("0@driver:" in ln for ln in lines)
+    _check_exact(base, 4)
+
+
+def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_is_lost(tmp_path):
+    """local-cluster[2,1,1024]: two executor JVMs with one core each. P=2 for 6 batches, the executor
+    of subtask 0 SIGKILLed half-way through batch 3; then the job resumes at P=4 for 6 more."""
+    base = str(tmp_path / "job")
+    marker = str(tmp_path / "fired")
+    cluster = "local-cluster[2,1,1024]"
+    first, stages1, out1 = _drive(tmp_path, "p2", cluster, 2, 6, base,
+                                  faults=f"task.mid_batch@3/0=kill-executor:once={marker}")
+    _check_stages(first, stages1, 2)
+    execs = [[rep["executor"] for rep in r["reports"]] for r in first]
+    # both executors work at once: subtasks 0 and 1 on different executors, overlapping in time
+    assert all(len(set(e)) == 2 for e in execs[:3]), execs
+    assert all(overlapping(stages1[b]) for b in range(3))
+    # subtask 0 stays put until its executor dies ...
+    assert execs[0][0] == execs[1][0] == execs[2][0]
+    lost = execs[2][0]
+    assert any(x.partition == 0 and not x.success and x.executor == lost for x in stages1[3])
+    # ... then moves once (its retry restores the state) and stays on its new executor
+    [moved] = [rep for rep in first[3]["reports"] if rep["subtask"] == 0]
+    assert moved["attempt"] >= 1 and moved["restored"] and moved["executor"] != lost
+    assert first[3]["placement"]["moved"] >= 1 and 0 in first[3]["placement"]["moved_subtasks"]
+    assert execs[3][0] == execs[4][0] == execs[5][0]
+
+    second, stages2, _ = _drive(tmp_path, "p4", cluster, 4, 12, base, first=6)
+    _check_stages(second, stages2, 4)
+    assert all(overlapping(stages2[b]) for b in range(6, 12))
+    assert second[0]["placement"]["restored"] == 4  # a rescale restores every subtask
+    # warm continuations after the first batch of each run, the lost executor's batch aside
+    warm, total = _warm(first[1:3] + first[4:] + second[1:])
+    assert warm >= 0.9 * total, (warm, total, execs)
+    _check_exact(base, 12)
