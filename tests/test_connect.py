@@ -67,7 +67,9 @@ def _scenario(connect_run, name):
 
 def _same(actual, expected, columns, what):
     a, e = normalize(actual, columns), normalize(expected, columns)
-    assert a.equals(e), f"{what}: {len(a)} vs {len(e)} rows\n{a.merge(e, how='outer', indicator=True).query('_merge != \"both\"').head(10)}"
+    if not a.equals(e):
+        merged = a.merge(e, how="outer", indicator=True)
+        pytest.fail(f"{what}: {len(a)} vs {len(e)} rows, differing:\n{merged[merged['_merge'] != 'both'].head(10)}")
 
 
 BATCHES = make_batches(3, 600, 200)  # what the driver feeds
