@@ -80,8 +80,9 @@ def _column_values(series, dtype, tz: Optional[str]) -> List[Any]:
             pass
     vals = arr.tolist()
     if kind == "O":  # strings, dates, decimals, bytes: None stays None, a stray NaN becomes None
-        for i, v in enumerate(vals):
-            if v is not None and v != v:
+        null = series.isna().to_numpy()
+        if null.any():
+            for i in np.flatnonzero(null).tolist():
                 vals[i] = None
     return vals
 
