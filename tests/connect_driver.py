@@ -76,7 +76,7 @@ def main(work: str) -> int:
         # the stream object is pickled to the server's foreachBatch worker: it runs there
         stream = StatefulStream(os.path.join(work, "fb"), RowCountingProcessor(), COUNT_OUTPUT, key="user",
                                 parallelism=2, api="row", retain=5)
-        for attempt in range(3):
+        for attempt in range(5):
             try:
                 query = (read_stream(spark, source).writeStream.foreachBatch(stream)
                          .option("checkpointLocation", os.path.join(work, "fb-ckpt"))
@@ -85,7 +85,7 @@ def main(work: str) -> int:
             except Exception as exc:  # noqa: BLE001
                 # Spark waits a fixed 10 s for its foreachBatch Python process to connect back; on a
                 # loaded machine that process can start slower. Nothing has run yet: start again.
-                if "failed to connect back" not in str(exc) or attempt == 2:
+                if "failed to connect back" not in str(exc) or attempt == 4:
                     raise
         query.awaitTermination()
         from dstl.state.metadata import list_checkpoints, read_checkpoint
