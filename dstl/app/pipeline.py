@@ -54,8 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="materialize a subtask's state after this many changes (default 200000; 0 = never)")
     job.add_argument("--retain", type=int, default=2, help="completed checkpoints kept (default 2)")
     job.add_argument("--routing", choices=("driver", "spark"), default="driver",
-                     help="'driver': the driver routes each batch and pins every subtask to its own Python "
-                          "worker (default); 'spark': a key-group UDF and a Spark shuffle route the rows")
+                     help="'driver': the driver routes each batch, run as one stage of P tasks that stay on "
+                          "their executors (default); 'spark': a key-group UDF and a Spark shuffle route the rows")
     job.add_argument("--state", choices=("dstl", "memory"), default="dstl",
                      help="'memory' runs the same operator without durability (benchmark baseline)")
     chk = p.add_argument_group("failures and checks")
@@ -226,7 +226,9 @@ def spark_session(master: Optional[str]):
             if os.environ.get(k):
                 builder = builder.config(f"spark.executorEnv.{k}", os.environ[k])
     session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
+    from dstl.spark.session import quiet
+
+    quiet(session)
     return session
 
 
@@ -290,6 +292,8 @@ class Report:
     job_id: str = ""
     state: str = "dstl"
     warm_events: int = 0
+    #: subtask-batches that ran on another executor than in the batch before
+    moved: int = 0
     warm_seconds: float = 0.0
     #: per batch: wall time and where it went (slowest task's restore/process/snapshot, driver steps)
     details: List[Dict[str, float]] = field(default_factory=list)
@@ -322,7 +326,8 @@ class Report:
                 f"  retained         {self.retained_files} changelog files, {self.retained_bytes / mib:.2f} MiB",
                 f"  state size       {self.state_size / mib:.2f} MiB (files of the latest checkpoint)"
                 + (f", {self.users:,} users" if self.users is not None else ""),
-                f"  worker cache     {self.cache_hits}/{self.subtask_batches} subtask-batches continued from memory",
+                f"  worker cache     {self.cache_hits}/{self.subtask_batches} subtask-batches continued from memory"
+                f", {self.moved} moved to another executor",
                 "  restore          " + (f"{len(self.restores)} task restores, max {max(self.restores):.0f} ms"
                                          if self.restores else "none in tasks")
                 + (f"; after --fail-at {self.fail_restore_ms:.0f} ms" if self.fail_restore_ms is not None else "")
@@ -405,17 +410,17 @@ def _armed_faults(args, coord, session):
     try:
         yield
     finally:
-        env = session.sparkContext.environment
+        from dstl.spark.session import set_worker_env
+
         if saved is None:
             os.environ.pop(faults.ENV, None)
-            env.pop(faults.ENV, None)
         else:
-            os.environ[faults.ENV] = env[faults.ENV] = saved
+            os.environ[faults.ENV] = saved
+        set_worker_env(session, faults.ENV, saved)
 
 
 def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
     from dstl.app.activity import output_ddl, user_activity
-    from dstl.spark import faults
     from dstl.spark.job import StatefulJob
 
     source = opts.source
@@ -425,6 +430,16 @@ def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
     job = StatefulJob(coord, user_activity, output_ddl(user_t, item_t), key="user_id",
                       parallelism=args.parallelism, order_by=["ts", "event_id"], spark=session,
                       events_schema=events_schema)
+    try:
+        _each_batch(args, coord, source, session, job, report, stream, events_schema)
+    finally:
+        job.close()
+    return _finish(args, coord, source, report)
+
+
+def _each_batch(args, coord, source, session, job, report: Report, stream, events_schema) -> None:
+    from dstl.spark import faults
+
     progress = Progress(source.batches, coord.next_batch, stream, not args.quiet)
     restored_from = coord.latest.checkpoint_id if coord.latest is not None else None
     for b in range(coord.next_batch, source.batches):
@@ -449,6 +464,7 @@ def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
         report.events += res.rows_in
         report.seconds += res.seconds
         report.subtask_batches += len(res.reports)
+        report.moved += res.stats.placement.get("moved", 0)
         if args.state == "dstl":
             report.checkpoint_ms.append(res.checkpoint_ms)
             report.uploaded_files += res.stats.new_files
@@ -472,6 +488,9 @@ def _run_batches(args, opts, coord, session, report: Report, stream) -> Report:
                                + (f", {res.restored} restored" if res.restored and b != report.first_batch else ""))
         if args.stop_at == b:
             break
+
+
+def _finish(args, coord, source, report: Report) -> Report:
     if args.state == "dstl":
         report.deleted_files += coord.finish()
         files = coord.changelog_files()

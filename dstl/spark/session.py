@@ -4,7 +4,8 @@
   to the Python workers.
 * `SubtaskStage`: one micro-batch as ONE Spark stage of P concurrent tasks, task i = subtask i,
   with subtask i kept on the same executor batch after batch (docs/spark.md, "Placement").
-* `executor_id` (runs in a Python worker): the id of the executor running the task.
+* `collect`: a batch's one evaluation, under a job description naming the batch.
+* `executor_id` / `executor_process` (run in a Python worker): the executor running the task.
 * `is_connect` / `default_parallelism`: which kind of session this is, and how many tasks a read
   should use by default.
 
@@ -12,9 +13,9 @@ Classic and Spark Connect. A Connect session (`SparkSession.builder.remote("sc:/
 SparkContext, no `_jvm` and no RDDs; `is_connect` recognises it by its class, and then nothing here
 touches them: the workers' environment cannot be set from the client (the package must be
 installed on the cluster, and object-store settings come from the server's configuration), the
-log level stays the server's, and the executor count is unknown. Everything else (the anchor's
-persist, the broadcast join, `mapInPandas`, executor ids read in the worker) is plain DataFrame API
-and works the same on both, placement included.
+log level stays the server's, no job description is set, and the executor count is unknown.
+Everything else (the anchor's persist, the broadcast join, `mapInPandas`, executor ids read in the
+worker) is plain DataFrame API and works the same on both, placement included.
 
 The placement trick. An *anchor* ``spark.range(0, P, 1, numPartitions=P)`` (partition i holds the
 value i) is persisted and materialised once. Its cached blocks stay on the executors that computed
@@ -28,8 +29,9 @@ join keeps its anchor row), and partition i receives exactly subtask i's rows. I
 lost, its anchor blocks are recomputed where the retried tasks run: those subtasks move once and
 then stay on their new executor.
 
-Nothing here uses an RDD outside this module; `sparkContext` is touched only for the worker
-environment, the log level and the executor count, each with a fallback.
+No other dstl.spark module (nor dstl.app.pipeline) touches `sparkContext`, the JVM or an RDD; here
+`sparkContext` serves the worker environment, the log level, the job description and the executor
+count, each with a fallback for Spark Connect (where it does not exist).
 """
 from __future__ import annotations
 
@@ -182,17 +184,52 @@ class SubtaskStage:
         self._anchor = None
         self.placements = 0
 
+    #: how often a first placement is redone when it leaves an executor with 2+ subtasks more than another
+    PLACEMENT_TRIES = 3
+
     def anchor(self):
         """The persisted anchor, materialised on first use (or again after `replace()`)."""
         if self._anchor is None:
-            from pyspark import StorageLevel
-
-            df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
-            df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
-            df.count()  # materialise: P tasks with no preference, spread over the free cores
-            self._anchor = df
-            self.placements += 1
+            n = executor_count(self.spark)
+            for attempt in range(self.PLACEMENT_TRIES):
+                self._anchor = self._place()
+                if n is None or n < 2 or self.parallelism < 2 or attempt == self.PLACEMENT_TRIES - 1:
+                    break
+                counts = self.where()
+                per = [sum(1 for e in counts.values() if e == ex) for ex in set(counts.values())]
+                per += [0] * max(0, n - len(per))  # executors that got no subtask
+                if max(per) - min(per) <= 1:
+                    break
+                log.info("anchor placement %s is uneven over %d executors: placing it again", counts, n)
+                self.close()
         return self._anchor
+
+    def _place(self):
+        from pyspark import StorageLevel
+
+        df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
+        df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
+        # materialise: P tasks with no preference, which the scheduler hands to free cores; with tiny
+        # tasks one executor may take several before another asks (hence the check in anchor())
+        df.count()
+        self.placements += 1
+        return df
+
+    def where(self) -> Dict[int, str]:
+        """Subtask -> the executor its anchor block is on (a tiny job over the cached anchor, which
+        runs where the blocks are)."""
+        def probe(batches):  # pragma: no cover - runs in the Python worker
+            import pandas as pd
+            from pyspark import TaskContext
+
+            from dstl.spark.session import executor_id
+
+            for _ in batches:
+                pass
+            yield pd.DataFrame({"subtask": [TaskContext.get().partitionId()], "executor": [executor_id()]})
+
+        rows = self._anchor.mapInPandas(probe, "subtask int, executor string").collect()
+        return {r.subtask: r.executor for r in rows}
 
     def replace(self) -> None:
         """Forget the anchor's placement: the next batch places every subtask anew."""

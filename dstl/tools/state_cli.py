@@ -129,7 +129,16 @@ def checkpoint_summary(base_path: str, meta) -> Dict[str, Any]:
         "states": dict(sorted(states.items())), "live_keys": live_keys,
         "bytes": sum(mat.values()) + sum(v for k, v in log.items() if k not in mat),
         "materialized_bytes": sum(mat.values()), "log_bytes": sum(log.values()),
+        # the batch's subtasks: warm / restored / moved and the slowest restore (dstl.spark.placement)
+        "placement": {k: v for k, v in (meta.properties.get("placement") or {}).items()
+                      if k in ("warm", "restored", "moved", "restore_ms_max", "executors", "sources")},
     }
+
+
+def _placement(p: Dict[str, Any]) -> str:
+    if not p:
+        return "-"
+    return f"{p['warm']}/{p['restored']}/{p['moved']} ({p['restore_ms_max']:.0f})"
 
 
 def _ls(args) -> int:
@@ -144,9 +153,9 @@ def _ls(args) -> int:
         return 0
     rows = [(c["checkpoint_id"], c["time"], f"{c['parallelism']}/{c['max_parallelism']}",
              ", ".join(f"{n}({k})" for n, k in c["states"].items()) or "-", c["live_keys"], _size(c["bytes"]),
-             _size(c["materialized_bytes"]), _size(c["log_bytes"])) for c in out]
+             _size(c["materialized_bytes"]), _size(c["log_bytes"]), _placement(c["placement"])) for c in out]
     print(_table(rows, ["id", "time (UTC)", "par/max", "states (live keys)", "keys", "bytes", "materialized",
-                        "log"]))
+                        "log", "warm/restored/moved (restore ms)"]))
     return 0
 
 
