@@ -30,8 +30,8 @@ lost, its anchor blocks are recomputed where the retried tasks run: those subtas
 then stay on their new executor.
 
 No other dstl.spark module (nor dstl.app.pipeline) touches `sparkContext`, the JVM or an RDD; here
-`sparkContext` serves the worker environment, the log level, the job description and the executor
-count, each with a fallback for Spark Connect (where it does not exist).
+`sparkContext` serves the worker environment, the log level, the job description, the default
+parallelism and the executor count; under Spark Connect (`is_connect`) none of them touches it.
 """
 from __future__ import annotations
 
