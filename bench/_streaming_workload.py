@@ -1,6 +1,8 @@
-"""The benchmark's per-user operator, as a Spark StatefulProcessor and as a vectorised dstl function.
+"""The benchmark's per-user operator: a Spark StatefulProcessor for transformWithStateInPandas
+(UserTotals), the same for the Row-based transformWithState (RowUserTotals), and a vectorised dstl
+function (user_totals_fn).
 
-Both keep (events, value_sum) per user and emit one row per user and batch with the new totals, so
+All keep (events, value_sum) per user and emit one row per user and batch with the new totals, so
 their outputs can be compared row for row.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 from pyspark import cloudpickle
+from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 
 OUTPUT = "user string, events long, value_sum long"
@@ -34,6 +37,25 @@ class UserTotals(StatefulProcessor):
             value_sum += int(pdf["value"].sum())
         self.totals.update((events, value_sum))
         yield pd.DataFrame({"user": [key[0]], "events": [events], "value_sum": [value_sum]})
+
+    def close(self) -> None:
+        pass
+
+
+class RowUserTotals(StatefulProcessor):
+    """UserTotals as PySpark 4.1+'s transformWithState runs it: Rows in, one Row out per user."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.totals = handle.getValueState("totals", "events long, value_sum long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        old = self.totals.get()
+        events, value_sum = (old[0], old[1]) if old else (0, 0)
+        for row in rows:
+            events += 1
+            value_sum += row.value
+        self.totals.update((events, value_sum))
+        yield Row(user=key[0], events=events, value_sum=value_sum)
 
     def close(self) -> None:
         pass

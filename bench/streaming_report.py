@@ -1,15 +1,21 @@
-"""Spark's native transformWithStateInPandas (RocksDB state) vs dstl's StatefulStream, in one run.
+"""Spark's native transformWithState / transformWithStateInPandas (RocksDB state) vs dstl's
+StatefulStream, in one run.
 
 Usage: .venv/bin/python bench/streaming_report.py [--events 200000] [--keys 50000] [--batches 4]
+       [--engines native-pandas,dstl-pandas,...]
 
-One JSON file stream (`--events` per micro-batch file, `--keys` users, local[2]) feeds three
+One JSON file stream (`--events` per micro-batch file, `--keys` users, local[2]) feeds five
 streaming queries in one Spark session, their batches interleaved (round b feeds file b to each query
 in turn, rotating the order, and waits for it with processAllAvailable):
-* native: `groupBy("user").transformWithStateInPandas(UserTotals(), ...)`, RocksDB state store,
-  `spark.sql.shuffle.partitions` = parallelism, output written as parquet by foreachBatch;
-* dstl-processor: the same UserTotals object through `foreachBatch(StatefulStream(...))`;
+* native-pandas: `groupBy("user").transformWithStateInPandas(UserTotals(), ...)`, RocksDB state
+  store, `spark.sql.shuffle.partitions` = parallelism, output written as parquet by foreachBatch;
+* native-row: `groupBy("user").transformWithState(RowUserTotals(), ...)` (PySpark 4.1+'s Row API),
+  the same way;
+* dstl-pandas: the same UserTotals object through `foreachBatch(StatefulStream(...))`;
+* dstl-row: the same RowUserTotals object through `StatefulStream(..., api="row")`;
 * dstl-fn: the vectorised equivalent `user_totals_fn(rows, state)` through StatefulStream.
-Batch time = the query progress's `triggerExecution` for the batch (same measure for all three);
+Both engines get `parallelism` concurrent tasks per batch on the same local[2] cores.
+Batch time = the query progress's `triggerExecution` for the batch (same measure for all);
 events/s = events per batch / median batch time of batches 1.. (batch 0 also starts Python workers).
 
 Then a fresh driver process (a new JVM and new Python workers, as after a driver failure) restarts
@@ -43,11 +49,15 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
 
-from _streaming_workload import OUTPUT, OUTPUT_COLS, UserTotals, reference, user_totals_fn  # noqa: E402
+from _streaming_workload import (OUTPUT, OUTPUT_COLS, RowUserTotals, UserTotals, reference,  # noqa: E402
+                                 user_totals_fn)
 from streaming_util import (NATIVE_CONF, make_batches, normalize, read_output, read_stream,  # noqa: E402
                             write_json_batch)
 
-ENGINES = ("native", "dstl-processor", "dstl-fn")
+ENGINES = ("native-pandas", "native-row", "dstl-pandas", "dstl-row", "dstl-fn")
+#: (dstl engine, the native engine it is compared with, the goal in x native events/s)
+GOALS = (("dstl-row", "native-row", 10.0), ("dstl-pandas", "native-pandas", 5.0),
+         ("dstl-fn", "native-pandas", 30.0), ("dstl-fn", "native-row", 30.0))
 RESULTS = os.path.join(HERE, "results")
 
 
@@ -82,8 +92,12 @@ class Engine:
 
     def start(self, spark, parallelism: int):
         events = read_stream(spark, self.input)
-        if self.name == "native":
-            out = events.groupBy("user").transformWithStateInPandas(UserTotals(), OUTPUT, "Update", "None")
+        if self.name.startswith("native"):
+            grouped = events.groupBy("user")
+            if self.name == "native-row":
+                out = grouped.transformWithState(RowUserTotals(), OUTPUT, "Update", "None")
+            else:
+                out = grouped.transformWithStateInPandas(UserTotals(), OUTPUT, "Update", "None")
             target = self.output
 
             def sink(df, batch_id):  # an idempotent parquet sink, as dstl's default one
@@ -93,9 +107,10 @@ class Engine:
         else:
             from dstl.spark import StatefulStream
 
-            fn = UserTotals() if self.name == "dstl-processor" else user_totals_fn
+            fn = {"dstl-pandas": UserTotals(), "dstl-row": RowUserTotals()}.get(self.name, user_totals_fn)
             self.stream = StatefulStream(os.path.join(self.dir, "job"), fn, OUTPUT, key="user",
-                                         parallelism=parallelism, output_path=self.output)
+                                         parallelism=parallelism, output_path=self.output,
+                                         api="row" if self.name == "dstl-row" else "pandas")
             writer = events.writeStream.foreachBatch(self.stream)
         self.query = (writer.option("checkpointLocation", self.checkpoint)
                       .trigger(processingTime="200 milliseconds").start())
@@ -117,7 +132,7 @@ class Engine:
         self._seen.add(p["batchId"])
         rec = {"batch_id": p["batchId"], "rows": p["numInputRows"], "wall_s": wall,
                "batch_ms": p["durationMs"]["triggerExecution"], "durations_ms": p["durationMs"]}
-        if self.name == "native":
+        if self.name.startswith("native"):
             op = p["stateOperators"][0]
             cm = op.get("customMetrics", {})
             rec.update({
@@ -132,7 +147,9 @@ class Engine:
             r = self.stream.results[-1]
             rec.update({"checkpoint_ms": r.checkpoint_ms, "restored_subtasks": r.restored,
                         "restore_ms": r.restore_ms, "cache_hits": r.cache_hits, "stream_s": r.seconds,
-                        "parallelism": self.stream.parallelism})
+                        "parallelism": self.stream.parallelism, "phases_ms": r.phases_ms,
+                        "process_ms": [t.process_ms for t in r.reports],
+                        "task_pids": [t.pid for t in r.reports]})
         return rec
 
     def stop(self):
@@ -148,15 +165,15 @@ def _p99(xs: List[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
-def steady_phase(work: str, batches, parallelism: int) -> Dict[str, List[dict]]:
+def steady_phase(work: str, batches, parallelism: int, names) -> Dict[str, List[dict]]:
     spark = _session(parallelism)
-    engines = [Engine(n, work) for n in ENGINES]
+    engines = [Engine(n, work) for n in names]
     for e in engines:
         e.start(spark, parallelism)
     per = {e.name: [] for e in engines}
     try:
         for b, batch in enumerate(batches):
-            order = engines[b % 3:] + engines[:b % 3]
+            order = engines[b % len(engines):] + engines[:b % len(engines)]
             for e in order:
                 rec = e.run_batch(b, batch)
                 per[e.name].append(rec)
@@ -168,7 +185,7 @@ def steady_phase(work: str, batches, parallelism: int) -> Dict[str, List[dict]]:
     return per
 
 
-def restart_phase(work: str, batches, first: int, parallelism: int) -> dict:
+def restart_phase(work: str, batches, first: int, parallelism: int, names) -> dict:
     """In a fresh driver: each query restarts from its checkpoint for batch `first` (restore), then
     again with twice the parallelism for batch `first + 1` (rescale)."""
     spark = _session(parallelism)
@@ -176,7 +193,7 @@ def restart_phase(work: str, batches, first: int, parallelism: int) -> dict:
     try:
         for step, (b, p) in enumerate(((first, parallelism), (first + 1, 2 * parallelism))):
             spark.conf.set("spark.sql.shuffle.partitions", str(p))
-            for name in ENGINES:
+            for name in names:
                 e = Engine(name, work)
                 t0 = time.perf_counter()
                 e.start(spark, p)
@@ -186,7 +203,7 @@ def restart_phase(work: str, batches, first: int, parallelism: int) -> dict:
                     e.stop()
                 rec["start_to_done_s"] = time.perf_counter() - t0
                 rec["requested_parallelism"] = p
-                if name == "native":
+                if name.startswith("native"):
                     with open(os.path.join(e.checkpoint, "offsets", str(rec["batch_id"]))) as f:
                         meta = json.loads(f.read().splitlines()[1])
                     rec["offset_log_shuffle_partitions"] = int(meta["conf"]["spark.sql.shuffle.partitions"])
@@ -198,10 +215,10 @@ def restart_phase(work: str, batches, first: int, parallelism: int) -> dict:
     return out
 
 
-def verify(work: str, batches) -> Dict[str, bool]:
+def verify(work: str, batches, names) -> Dict[str, bool]:
     expected = normalize(reference(batches), OUTPUT_COLS + ["batch_id"])
     ok = {}
-    for name in ENGINES:
+    for name in names:
         got = read_output(os.path.join(work, name, "output"))
         ok[name] = bool(len(got) and normalize(got, OUTPUT_COLS + ["batch_id"]).equals(expected))
     return ok
@@ -217,7 +234,7 @@ def summarize(steady: Dict[str, List[dict]], restart: dict, events: int) -> dict
                "restore_batch_s": restart["restore"][name]["batch_ms"] / 1000,
                "restore_start_to_done_s": restart["restore"][name]["start_to_done_s"],
                "rescale_batch_s": restart["rescale"][name]["batch_ms"] / 1000}
-        if name == "native":
+        if name.startswith("native"):
             row["checkpoint_ms"] = [r["state_commit_ms"] for r in recs]
             row["offset_commit_ms"] = [r["offset_commit_ms"] for r in recs]
             row["rescale_state_partitions"] = restart["rescale"][name]["state_partitions"]
@@ -232,10 +249,18 @@ def summarize(steady: Dict[str, List[dict]], restart: dict, events: int) -> dict
             row["rescale_restore_ms"] = restart["rescale"][name]["restore_ms"]
         row["checkpoint_p50_ms"] = statistics.median(row["checkpoint_ms"])
         row["checkpoint_p99_ms"] = _p99(row["checkpoint_ms"])
+        # the ratio per measured batch (batches of one round ran back to back): min / max
+        row["events_per_s_batches"] = [events / (r["batch_ms"] / 1000) for r in warm]
         s[name] = row
-    nat = s["native"]["events_per_s"]
-    for name in ("dstl-processor", "dstl-fn"):
-        s[name]["speedup_vs_native"] = s[name]["events_per_s"] / nat
+    goals = []
+    for ours, native, goal in GOALS:
+        if ours in s and native in s:
+            per_batch = [a / b for a, b in zip(s[ours]["events_per_s_batches"], s[native]["events_per_s_batches"])]
+            ratio = s[ours]["events_per_s"] / s[native]["events_per_s"]
+            goals.append({"engine": ours, "vs": native, "goal": goal, "ratio": ratio,
+                          "ratio_min": min(per_batch), "ratio_max": max(per_batch), "met": ratio >= goal})
+            s[ours].setdefault("speedup", {})[native] = ratio
+    s["_goals"] = goals
     return s
 
 
@@ -245,16 +270,20 @@ def chart(summary: dict, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(ENGINES)
-    colors = ["#888888", "#1f77b4", "#2ca02c"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    names = [n for n in ENGINES if n in summary]
+    palette = {"native-pandas": "#888888", "native-row": "#bbbbbb", "dstl-pandas": "#1f77b4",
+               "dstl-row": "#9467bd", "dstl-fn": "#2ca02c"}
+    colors = [palette[n] for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     ax = axes[0]
     vals = [summary[n]["events_per_s"] for n in names]
     ax.bar(names, vals, color=colors)
-    ax.set_title("events/s (median batch)")
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(vals) * 4)  # room for the labels
+    ax.set_title("events/s (median batch; log scale)")
     for i, (n, v) in enumerate(zip(names, vals)):
-        ratio = "" if n == "native" else f" ({summary[n]['speedup_vs_native']:.1f}x)"
-        ax.text(i, v, f"{v:,.0f}{ratio}", ha="center", va="bottom", fontsize=8)
+        ratio = "".join(f"\n{r:.1f}x {k}" for k, r in summary[n].get("speedup", {}).items())
+        ax.text(i, v, f"{v:,.0f}{ratio}", ha="center", va="bottom", fontsize=7)
     ax = axes[1]
     vals = [summary[n]["checkpoint_p99_ms"] for n in names]
     ax.bar(names, vals, color=colors)
@@ -265,10 +294,11 @@ def chart(summary: dict, path: str, title: str) -> None:
     vals = [summary[n]["restore_batch_s"] for n in names]
     ax.bar(names, vals, color=colors)
     ax.set_title("first batch after a driver restart (s)")
+    ax.set_yscale("log")
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=8)
     for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -282,12 +312,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--work", help="working directory (default: a temporary one, deleted)")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
     ap.add_argument("--restart-phase", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
+    names = [n.strip() for n in opts.engines.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names:
+        ap.error(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
 
     batches = make_batches(opts.batches + 2, opts.events, opts.keys, seed=11)
     if opts.restart_phase:  # the child: a fresh driver
-        res = restart_phase(opts.work, batches, opts.batches, opts.parallelism)
+        res = restart_phase(opts.work, batches, opts.batches, opts.parallelism, names)
         with open(os.path.join(opts.work, "restart.json"), "w") as f:
             json.dump(res, f)
         return 0
@@ -296,14 +331,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.time()
     try:
         print(f"steady: {opts.batches} batches x {opts.events:,} events, {opts.keys:,} keys", flush=True)
-        steady = steady_phase(work, batches[:opts.batches], opts.parallelism)
+        load_before = _loadavg()
+        steady = steady_phase(work, batches[:opts.batches], opts.parallelism, names)
+        load_steady = _loadavg()
         print("restart (a new driver process): restore, then rescale", flush=True)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--restart-phase", "--work", work,
                         "--events", str(opts.events), "--keys", str(opts.keys), "--batches", str(opts.batches),
-                        "--parallelism", str(opts.parallelism)], check=True)
+                        "--parallelism", str(opts.parallelism), "--engines", ",".join(names)], check=True)
         with open(os.path.join(work, "restart.json")) as f:
             restart = json.load(f)
-        ok = verify(work, batches)
+        ok = verify(work, batches, names)
         summary = summarize(steady, restart, opts.events)
     finally:
         if not opts.work:
@@ -315,7 +352,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "setup": {"events_per_batch": opts.events, "keys": opts.keys, "batches": opts.batches,
                   "parallelism": opts.parallelism, "master": "local[2]", "implementation": dstl.IMPLEMENTATION,
                   "state_store": "RocksDBStateStoreProvider", "elapsed_s": time.time() - started,
-                  "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                  "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "loadavg": {"before": load_before, "after_steady": load_steady, "end": _loadavg()}},
         "summary": summary, "outputs_match_pandas": ok, "steady": steady, "restart": restart,
     }
     os.makedirs(opts.out, exist_ok=True)
@@ -328,25 +366,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if all(ok.values()) else 1
 
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
 def print_table(report: dict) -> None:
     s = report["summary"]
-    n, p, f = s["native"], s["dstl-processor"], s["dstl-fn"]
-    print(f"| | native transformWithStateInPandas | dstl StatefulStream(processor) | dstl StatefulStream(fn) |")
-    print("|---|---|---|---|")
-    print(f"| events/s (median batch) | {n['events_per_s']:,.0f} | {p['events_per_s']:,.0f} "
-          f"({p['speedup_vs_native']:.1f}x) | {f['events_per_s']:,.0f} ({f['speedup_vs_native']:.1f}x) |")
-    print(f"| median batch | {n['median_batch_s']:.2f} s | {p['median_batch_s']:.2f} s | {f['median_batch_s']:.2f} s |")
-    print(f"| checkpoint p50 / p99 | {n['checkpoint_p50_ms']:.0f} / {n['checkpoint_p99_ms']:.0f} ms | "
-          f"{p['checkpoint_p50_ms']:.0f} / {p['checkpoint_p99_ms']:.0f} ms | "
-          f"{f['checkpoint_p50_ms']:.0f} / {f['checkpoint_p99_ms']:.0f} ms |")
-    print(f"| first batch after a driver restart | {n['restore_batch_s']:.2f} s | {p['restore_batch_s']:.2f} s "
-          f"(restore {p['restore_ms']:.0f} ms) | {f['restore_batch_s']:.2f} s (restore {f['restore_ms']:.0f} ms) |")
-    print(f"| restart with 2x parallelism | state stays in {n['rescale_state_partitions']} partitions "
-          f"(offset log pins shuffle.partitions={n['rescale_offset_log_shuffle_partitions']}) | "
-          f"rescaled to {p['rescale_parallelism']}: {p['rescale_batch_s']:.2f} s | "
-          f"rescaled to {f['rescale_parallelism']}: {f['rescale_batch_s']:.2f} s |")
-    print(f"| output = pandas | {report['outputs_match_pandas']['native']} | "
-          f"{report['outputs_match_pandas']['dstl-processor']} | {report['outputs_match_pandas']['dstl-fn']} |")
+    names = [n for n in ENGINES if n in s]
+    print("| | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+
+    def line(label, cell):
+        print(f"| {label} | " + " | ".join(cell(n, s[n]) for n in names) + " |")
+
+    line("events/s (median batch)", lambda n, r: f"{r['events_per_s']:,.0f}")
+    line("median batch", lambda n, r: f"{r['median_batch_s']:.2f} s")
+    line("checkpoint p50 / p99", lambda n, r: f"{r['checkpoint_p50_ms']:.0f} / {r['checkpoint_p99_ms']:.0f} ms")
+    line("first batch after a driver restart", lambda n, r: f"{r['restore_batch_s']:.2f} s" + (
+        f" (restore {r['restore_ms']:.0f} ms)" if "restore_ms" in r else
+        f" (RocksDB load {r.get('restore_rocksdb_load_ms')} ms)"))
+    line("restart with 2x parallelism", lambda n, r: (
+        f"rescaled to {r['rescale_parallelism']}: {r['rescale_batch_s']:.2f} s" if "rescale_parallelism" in r else
+        f"stays in {r['rescale_state_partitions']} partitions: {r['rescale_batch_s']:.2f} s"))
+    line("output = pandas", lambda n, r: str(report["outputs_match_pandas"][n]))
+    for g in s["_goals"]:
+        print(f"{g['engine']} vs {g['vs']}: {g['ratio']:.1f}x (per batch {g['ratio_min']:.1f}-{g['ratio_max']:.1f}x), "
+              f"goal {g['goal']:.0f}x: {'met' if g['met'] else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""StatefulProcessor subclasses written as a PySpark user writes them for `transformWithStateInPandas`.
+"""StatefulProcessor subclasses written as a PySpark user writes them for `transformWithStateInPandas`
+(and, the Row* classes, for PySpark 4.1+'s Row-based `transformWithState`).
 
 The same classes run unchanged on Spark's native operator and on `dstl.spark.StatefulStream`
 (tests/test_streaming_compare.py, bench/streaming_report.py). The input rows are the events of
@@ -13,6 +14,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 from pyspark import cloudpickle
+from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 
 # Spark's Python workers cannot import tests/: ship these classes inside the pickled function
@@ -148,3 +150,115 @@ def count_fn(rows: pd.DataFrame, state) -> pd.DataFrame:
     totals.update_many(users, out[["events", "value_sum", "batches", "kinds", "top_kind_events"]]
                        .to_numpy().tolist())
     return out
+
+
+# --- the same processors written for PySpark 4.1+'s Row-based transformWithState ------------------
+# (Rows in, Rows out; handleInitialState gets one Row per call). They emit exactly the rows of their
+# pandas twins above, so the pandas references of tests/streaming_util.py apply to both.
+
+class RowCountingProcessor(StatefulProcessor):
+    """CountingProcessor for transformWithState: per user events and value sum (ValueState), one
+    list entry per batch (ListState), events per kind (MapState); one Row per user and batch."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.totals = handle.getValueState("totals", "events long, value_sum long")
+        self.batches = handle.getListState("batches", "events long")
+        self.kinds = handle.getMapState("kinds", "kind string", "events long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        events, value_sum = self.totals.get() if self.totals.exists() else (0, 0)
+        n, per_kind = 0, {}
+        for row in rows:
+            n += 1
+            value_sum += row.value
+            per_kind[row.kind] = per_kind.get(row.kind, 0) + 1
+        events += n
+        self.totals.update((events, value_sum))
+        self.batches.appendValue((n,))
+        for kind, k_events in per_kind.items():
+            old = self.kinds.getValue((kind,))
+            self.kinds.updateValue((kind,), (old[0] + k_events if old else k_events,))
+        counts = [v[0] for v in self.kinds.values()]
+        yield Row(user=key[0], events=events, value_sum=value_sum,
+                  batches=sum(1 for _ in self.batches.get()), kinds=len(counts), top_kind_events=max(counts))
+
+    def close(self) -> None:
+        pass
+
+
+class RowTtlProcessor(StatefulProcessor):
+    """TtlProcessor for transformWithState."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.total = handle.getValueState("total", "n long", ttlDurationMs=LONG_TTL_MS)
+        self.previous = handle.getValueState("previous", "n long", ttlDurationMs=SHORT_TTL_MS)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        n = sum(1 for _ in rows)
+        total = (self.total.get()[0] if self.total.exists() else 0) + n
+        previous = self.previous.get()[0] if self.previous.exists() else -1
+        self.total.update((total,))
+        self.previous.update((n,))
+        yield Row(user=key[0], total=total, previous=previous)
+
+    def close(self) -> None:
+        pass
+
+
+class RowSessionProcessor(StatefulProcessor):
+    """SessionProcessor for transformWithState: event-time timers, emitted from handleExpiredTimer.
+    It reads `ts` (a timestamp: an aware datetime in Row mode) as well as `ts_ms` and checks they
+    agree, so a wrong timestamp conversion fails loudly."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.session = handle.getValueState("session", "first_ms long, last_ms long, events long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        ts = []
+        for row in rows:
+            if row.ts is None or round(row.ts.timestamp() * 1000) != row.ts_ms:
+                raise ValueError(f"ts {row.ts!r} is not ts_ms {row.ts_ms}")
+            ts.append(row.ts_ms)
+        first, last, events = min(ts), max(ts), len(ts)
+        if self.session.exists():
+            old_first, old_last, old_events = self.session.get()
+            self.handle.deleteTimer(old_last + SESSION_GAP_MS)
+            first, last, events = min(first, old_first), max(last, old_last), events + old_events
+        self.session.update((first, last, events))
+        self.handle.registerTimer(last + SESSION_GAP_MS)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
+        first, last, events = self.session.get()
+        self.session.clear()
+        yield Row(user=key[0], first_ms=first, last_ms=last, events=events,
+                  fired_at_ms=expiredTimerInfo.getExpiryTimeInMs())
+
+    def close(self) -> None:
+        pass
+
+
+INITIAL_OUTPUT = "user string, events long, seeded long"
+
+
+class RowSeededCounter(StatefulProcessor):
+    """Counts events per user on top of a seed from the initial state (one Row per seed row: two
+    rows for one user add up). Emits events so far and the seed."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.count = handle.getValueState("count", "events long, seeded long")
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        old = self.count.get()
+        seed = (old[1] if old else 0) + initialState.seed
+        self.count.update(((old[0] if old else 0) + initialState.seed, seed))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        old = self.count.get() or (0, 0)
+        events = old[0] + sum(1 for _ in rows)
+        self.count.update((events, old[1]))
+        yield Row(user=key[0], events=events, seeded=old[1])
+
+    def close(self) -> None:
+        pass

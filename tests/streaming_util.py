@@ -98,13 +98,17 @@ class NativeRun:
 
 def native_query(spark, source: str, processor, output_schema: str, checkpoint: str, sink, *,
                  time_mode: str = "None", output_mode: str = "Update", watermark_delay: Optional[str] = None,
-                 available_now: bool = True):
-    """Start `events.groupBy("user").transformWithStateInPandas(processor, ...)` into foreachBatch(sink).
-    Call inside `spark_conf(spark, NATIVE_CONF)`."""
+                 available_now: bool = True, api: str = "pandas", initial_state=None):
+    """Start `events.groupBy("user").transformWithStateInPandas(processor, ...)` (api="row":
+    `transformWithState`, PySpark 4.1+'s Row API) into foreachBatch(sink). `initial_state`: a
+    DataFrame keyed by `user`. Call inside `spark_conf(spark, NATIVE_CONF)`."""
     events = read_stream(spark, source)
     if watermark_delay is not None:
         events = events.withWatermark("ts", watermark_delay)
-    out = events.groupBy("user").transformWithStateInPandas(processor, output_schema, output_mode, time_mode)
+    grouped = events.groupBy("user")
+    op = grouped.transformWithState if api == "row" else grouped.transformWithStateInPandas
+    init = None if initial_state is None else initial_state.groupBy("user")
+    out = op(processor, output_schema, output_mode, time_mode, initialState=init)
     writer = out.writeStream.foreachBatch(sink).option("checkpointLocation", checkpoint)
     if available_now:
         writer = writer.trigger(availableNow=True)
@@ -113,7 +117,7 @@ def native_query(spark, source: str, processor, output_schema: str, checkpoint: 
 
 def run_native(spark, source: str, processor, output_schema: str, checkpoint: str, *,
                time_mode: str = "None", output_mode: str = "Update",
-               watermark_delay: Optional[str] = None) -> NativeRun:
+               watermark_delay: Optional[str] = None, api: str = "pandas", initial_state=None) -> NativeRun:
     """Run every file under `source` through Spark's native operator (RocksDB state) and return the
     committed output as pandas."""
     collected: List[pd.DataFrame] = []
@@ -125,7 +129,8 @@ def run_native(spark, source: str, processor, output_schema: str, checkpoint: st
 
     with spark_conf(spark, NATIVE_CONF):
         query = native_query(spark, source, processor, output_schema, checkpoint, sink, time_mode=time_mode,
-                             output_mode=output_mode, watermark_delay=watermark_delay)
+                             output_mode=output_mode, watermark_delay=watermark_delay, api=api,
+                             initial_state=initial_state)
         try:
             query.awaitTermination()
         finally:

@@ -6,8 +6,9 @@
 * `CheckpointCoordinator`: the driver side; one micro-batch = one checkpoint, metadata written
   atomically before the batch's output is committed.
 * `StatefulJob`: the two together (what the `dstl pipeline` command uses).
-* `StatefulStream`: Spark's `StatefulProcessor` (or a vectorised function) on dstl state, for
-  `foreachBatch` and batch DataFrames: exactly-once, TTL, timers, rescalable (docs/streaming.md).
+* `StatefulStream`: Spark's `StatefulProcessor` (pandas or, with `api="row"`, Row-based) or a
+  vectorised function on dstl state, for `foreachBatch` and batch DataFrames, classic or Spark
+  Connect: exactly-once, TTL, timers, rescalable (docs/streaming.md).
 
 PySpark, pandas and pyarrow are imported lazily, so `import dstl.spark` is cheap.
 """

@@ -58,7 +58,8 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
 
     from dstl.keygroups import compute_default_max_parallelism
     from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
-    from dstl.spark.keyed import SUBTASK_COL, ensure_importable_on_workers, with_subtask
+    from dstl.spark.keyed import SUBTASK_COL, with_subtask
+    from dstl.spark.session import ensure_importable_on_workers
     from dstl.state.metadata import CheckpointMetadata, SubtaskState, list_checkpoints, write_checkpoint
 
     if key not in df.columns:

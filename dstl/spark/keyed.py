@@ -278,12 +278,16 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
 
     if out is None or len(out) == 0:
         return None, 0
-    if not isinstance(out, __import__("pandas").DataFrame):
+    if isinstance(out, (pa.RecordBatch, pa.Table)):  # the row API's output: already Arrow
+        table = pa.Table.from_batches([out]) if isinstance(out, pa.RecordBatch) else out
+        table = table.select(arrow_schema.names).cast(arrow_schema)
+    elif not isinstance(out, __import__("pandas").DataFrame):
         raise TypeError(f"fn must return a pandas DataFrame or None, got {type(out).__name__}")
-    missing = [n for n in arrow_schema.names if n not in out.columns]
-    if missing:
-        raise ValueError(f"fn's output lacks the schema's columns {missing}")
-    table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
+    else:
+        missing = [n for n in arrow_schema.names if n not in out.columns]
+        if missing:
+            raise ValueError(f"fn's output lacks the schema's columns {missing}")
+        table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
     path = f"{plan.staging_dir()}/part-{subtask:05d}-{token}.parquet"
     fs, fs_path = filesystem(path)
     fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)

@@ -5,21 +5,31 @@ offers (`getValueState`, `getListState`, `getMapState`, timers, `deleteIfExists`
 subtask's keyed state: every state is scoped to the *implicit* grouping key, which the runner sets
 before each call, exactly as Spark does. Values are tuples of the declared schema
 (dstl.state.schema); with `ttlDurationMs` the state is a TTL state (dstl.state.ttl) whose clock is
-the micro-batch's timestamp.
+the micro-batch's timestamp. A state call goes straight to the backend (no batching, no pandas).
+
+A processor comes in one of two flavours, the same class either way (`BatchContext.api`):
+
+* ``"pandas"`` (transformWithStateInPandas): per key, ``handleInputRows`` gets an iterator of one
+  pandas DataFrame and yields DataFrames; ``handleInitialState`` gets a DataFrame per key;
+* ``"row"`` (PySpark 4.1+'s transformWithState): per key, an iterator of `pyspark.sql.Row`, and it
+  yields Rows; ``handleInitialState`` is called once per initial-state Row. No pandas object is
+  built per key: the subtask's Rows are built column-wise and the output Rows become one Arrow
+  batch (dstl.spark.rows).
 
 `run_processor` is one subtask's micro-batch, in Spark's order (TransformWithStateInPandas):
 
 1. ``init(handle)``;
-2. on the job's first batch only, ``handleInitialState(key, rows, timerValues)`` per key of the
-   initial state;
-3. ``handleInputRows(key, iter([rows]), timerValues)`` per key with input, keys in sorted order, rows
+2. on the job's first batch only, ``handleInitialState(key, ..., timerValues)`` per key (pandas) or
+   per initial-state Row (row);
+3. ``handleInputRows(key, rows, timerValues)`` per key with input, keys in sorted order, rows
    in arrival order; key is a tuple, as Spark passes it;
 4. ``handleExpiredTimer(key, timerValues, ExpiredTimerInfo(ts))`` for every timer with
    ``ts <= batch timestamp`` (ProcessingTime) or ``ts <= watermark`` (EventTime), earliest first;
    the timer is deleted after its call;
 5. ``close()``.
 
-Every DataFrame the handlers yield is part of the batch's output.
+Everything the handlers yield is the batch's output: one pandas DataFrame (pandas) or one
+`pyarrow.RecordBatch` (row).
 """
 from __future__ import annotations
 
@@ -32,6 +42,21 @@ TIME_MODES = {"none": "None", "processingtime": "ProcessingTime", "eventtime": "
 
 #: state names starting with this are dstl's own (timers)
 RESERVED_PREFIX = "_dstl"
+
+#: the processor flavours: transformWithStateInPandas (DataFrames) and transformWithState (Rows)
+APIS = ("pandas", "row")
+DEFAULT_API = "pandas"
+
+
+def normalize_api(api: Any) -> str:
+    """'pandas' or 'row' (the flavour a StatefulProcessor is written for)."""
+    if api is None:
+        return DEFAULT_API
+    mode = str(api).strip().lower() if isinstance(api, str) else None
+    if mode not in APIS:
+        raise ValueError(f"api must be 'row' (a processor written for transformWithState: Rows in, "
+                         f"Rows out) or 'pandas' (for transformWithStateInPandas), got {api!r}")
+    return mode
 
 
 def normalize_time_mode(time_mode: Any) -> str:
@@ -59,6 +84,14 @@ class BatchContext:
     #: per-key initial state rows, applied on the job's first batch (pandas DataFrame or None)
     initial_state: Any = None
     metrics: Dict[str, int] = field(default_factory=dict)
+    #: "pandas" or "row" (see the module docstring)
+    api: str = DEFAULT_API
+    #: row API only: the Spark StructTypes of the input rows and of the initial state (value
+    #: types), the session time zone (timestamps) and the output's Arrow schema
+    input_schema: Any = None
+    initial_schema: Any = None
+    time_zone: Optional[str] = None
+    output_arrow_schema: Any = None
 
     def timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -69,12 +102,42 @@ class BatchContext:
         return TimerValues(self.batch_timestamp_ms, wm)
 
 
+def _plain_types(value_schema) -> Optional[Tuple[type, ...]]:
+    """The exact Python type of each field when every field is a plain long/int/double/string/bool
+    (stored as itself), else None: then a tuple of exactly those types encodes and decodes as a plain
+    copy, which is most per-key state and skips the per-field codecs."""
+    from pyspark.sql import types as T
+
+    plain = ((T.ByteType, int), (T.ShortType, int), (T.IntegerType, int), (T.LongType, int),
+             (T.DoubleType, float), (T.FloatType, float), (T.StringType, str), (T.BooleanType, bool))
+    out = []
+    for f in value_schema.struct.fields:
+        t = next((py for spark_t, py in plain if isinstance(f.dataType, spark_t)), None)
+        if t is None:
+            return None
+        out.append(t)
+    return tuple(out)
+
+
 class _StateAdapter:
     def __init__(self, handle: "ProcessorHandle", state: Any, spec: StateSchema):
         self._h = handle
         self._s = state
         self._spec = spec
         self._v = spec.value
+        self._plain = _plain_types(spec.value)
+
+    def _enc(self, value: Any) -> Any:
+        """The value schema's encode, with the plain-tuple fast path (same result)."""
+        p = self._plain
+        if p is not None and type(value) in (tuple, list) and tuple(map(type, value)) == p:
+            return list(value)
+        return self._v.encode(value)
+
+    def _dec(self, stored: Any) -> Tuple:
+        if self._plain is not None and len(stored) == len(self._plain):
+            return tuple(stored)  # plain fields are stored as themselves (None included)
+        return self._v.decode(stored)
 
     def _key(self) -> Any:
         k = self._h._key
@@ -95,10 +158,10 @@ class ValueStateAdapter(_StateAdapter):
 
     def get(self) -> Optional[Tuple]:
         w = self._s.get(self._key())
-        return None if w is None else self._v.decode(w)
+        return None if w is None else self._dec(w)
 
     def update(self, newValue: Tuple) -> None:
-        self._s.update(self._key(), self._v.encode(newValue))
+        self._s.update(self._key(), self._enc(newValue))
 
     def clear(self) -> None:
         self._s.clear(self._key())
@@ -293,7 +356,11 @@ def _frames(result: Any, where: str) -> Iterator[Any]:
         if item is None:
             continue
         if not isinstance(item, pd.DataFrame):
-            raise TypeError(f"{where} must yield pandas DataFrames, got {type(item).__name__}")
+            hint = ""
+            if isinstance(item, tuple) and hasattr(item, "asDict"):
+                hint = (" (this StatefulStream runs the pandas API; a processor written for "
+                        "transformWithState, which yields Rows, needs api='row')")
+            raise TypeError(f"{where} must yield pandas DataFrames, got {type(item).__name__}{hint}")
         yield item
 
 
@@ -321,25 +388,53 @@ def _groups(rows, key_col: str):
         yield k, part
 
 
+class _PandasOut:
+    """What the handlers yield, pandas flavour: DataFrames, concatenated at the end."""
+
+    def __init__(self):
+        self.frames: List[Any] = []
+
+    def extend(self, result: Any, where: str) -> None:
+        self.frames.extend(_frames(result, where))
+
+    def result(self):
+        return concat_frames(self.frames) if self.frames else None
+
+
 def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str):
     """One subtask's micro-batch through a StatefulProcessor (see the module docstring)."""
-    import pandas as pd
     from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
 
     handle = ProcessorHandle(backend, ctx)
     backend.ttl_clock = handle._batch_clock  # TTL purges at materialization use the batch time too
     processor.init(handle)
     tv = ctx.timer_values()
-    out: List[Any] = []
+    row_api = ctx.api == "row"
+    if row_api:
+        from dstl.spark.rows import InputRows, OutputRows
+
+        out: Any = OutputRows(ctx.output_arrow_schema)
+    else:
+        out = _PandasOut()
     try:
         init_rows = ctx.initial_state
         if init_rows is not None and len(init_rows):
-            for k, part in _groups(init_rows, key_col):
-                handle._key = k
-                processor.handleInitialState((k,), part, tv)
-        for k, part in _groups(rows, key_col):
+            if row_api:  # Spark's Row mode: one call per initial-state Row
+                init = InputRows(init_rows, key_col, ctx.initial_schema, ctx.time_zone)
+                for k, part in init.groups():
+                    handle._key = k
+                    for row in part:
+                        processor.handleInitialState((k,), row, tv)
+            else:
+                for k, part in _groups(init_rows, key_col):
+                    handle._key = k
+                    processor.handleInitialState((k,), part, tv)
+        groups = (InputRows(rows, key_col, ctx.input_schema, ctx.time_zone).groups() if row_api
+                  else _groups(rows, key_col))
+        handle_rows, extend = processor.handleInputRows, out.extend
+        for k, part in groups:
             handle._key = k
-            out.extend(_frames(processor.handleInputRows((k,), iter([part]), tv), "handleInputRows"))
+            extend(handle_rows((k,), iter([part]) if not row_api else iter(part), tv), "handleInputRows")
         fired = 0
         threshold = {"ProcessingTime": ctx.batch_timestamp_ms, "EventTime": ctx.watermark_ms}.get(ctx.time_mode)
         if threshold is not None:
@@ -348,17 +443,14 @@ def run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: str
                 if ts not in timers.state.keys(k):  # deleted by an earlier handler of this batch
                     continue
                 handle._key = k
-                out.extend(_frames(processor.handleExpiredTimer((k,), tv, ExpiredTimerInfo(ts)),
-                                   "handleExpiredTimer"))
+                extend(processor.handleExpiredTimer((k,), tv, ExpiredTimerInfo(ts)), "handleExpiredTimer")
                 timers.delete(k, ts)
                 fired += 1
         ctx.metrics["timers_fired"] = ctx.metrics.get("timers_fired", 0) + fired
     finally:
         handle._key = None
         processor.close()
-    if not out:
-        return None
-    return concat_frames(out)
+    return out.to_batch() if row_api else out.result()
 
 
 def concat_frames(frames: List[Any]):
@@ -421,6 +513,8 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
     counted and dropped, the batch's maximum event time noted, and the column removed.
     `evolutions` (the first batch after a resume whose declared schemas changed): the states whose
     stored values are converted to their new layout before the processor sees them."""
+    import dataclasses
+
     from dstl.spark import keyed as K
 
     vectorised = not is_stateful_processor(processor)
@@ -468,7 +562,7 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
                 K.task_metrics()["evolved_states"] = len(evolved)
         sub = K.current_subtask()
         init = None if initial_by_subtask is None else initial_by_subtask.get(sub)
-        local = BatchContext(ctx.batch_timestamp_ms, ctx.watermark_ms, ctx.time_mode, init)
+        local = dataclasses.replace(ctx, initial_state=init, metrics={})
         out = run_processor(processor, rows, backend, local, key_col)
         K.task_metrics().update(local.metrics)
         return out

@@ -6,6 +6,16 @@
   with subtask i kept on the same executor batch after batch (docs/spark.md, "Placement").
 * `collect`: a batch's one evaluation, under a job description naming the batch.
 * `executor_id` / `executor_process` (run in a Python worker): the executor running the task.
+* `is_connect` / `default_parallelism`: which kind of session this is, and how many tasks a read
+  should use by default.
+
+Classic and Spark Connect. A Connect session (`SparkSession.builder.remote("sc://host")`) has no
+SparkContext, no `_jvm` and no RDDs; `is_connect` recognises it by its class, and then nothing here
+touches them: the workers' environment cannot be set from the client (the package must be
+installed on the cluster, and object-store settings come from the server's configuration), the
+log level stays the server's, no job description is set, and the executor count is unknown.
+Everything else (the anchor's persist, the broadcast join, `mapInPandas`, executor ids read in the
+worker) is plain DataFrame API and works the same on both, placement included.
 
 The placement trick. An *anchor* ``spark.range(0, P, 1, numPartitions=P)`` (partition i holds the
 value i) is persisted and materialised once. Its cached blocks stay on the executors that computed
@@ -20,8 +30,8 @@ lost, its anchor blocks are recomputed where the retried tasks run: those subtas
 then stay on their new executor.
 
 No other dstl.spark module (nor dstl.app.pipeline) touches `sparkContext`, the JVM or an RDD; here
-`sparkContext` serves the worker environment, the log level, the job description and the executor
-count, each with a fallback for Spark Connect (where it does not exist).
+`sparkContext` serves the worker environment, the log level, the job description, the default
+parallelism and the executor count; under Spark Connect (`is_connect`) none of them touches it.
 """
 from __future__ import annotations
 
@@ -41,10 +51,34 @@ FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AW
 LOCAL_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
+# ------------------------------------------------------------------ classic or Connect
+
+def is_connect(spark) -> bool:
+    """True for a Spark Connect session (pyspark.sql.connect), False for a classic one."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def default_parallelism(spark) -> int:
+    """Spark's default number of tasks: the context's defaultParallelism (classic); under Connect the
+    `spark.default.parallelism` setting, else `spark.sql.shuffle.partitions`."""
+    if not is_connect(spark):
+        return int(spark.sparkContext.defaultParallelism)
+    for key in ("spark.default.parallelism", "spark.sql.shuffle.partitions"):
+        try:
+            value = spark.conf.get(key, None)
+        except Exception:  # noqa: BLE001 - a setting the server does not expose
+            value = None
+        if value:
+            return max(1, int(value))
+    return 1
+
+
 # ------------------------------------------------------------------ the workers' environment
 
 def _worker_env(spark) -> Optional[Dict[str, str]]:
     """The mutable environment Spark hands to Python workers it starts (None under Spark Connect)."""
+    if is_connect(spark):
+        return None
     try:
         return spark.sparkContext.environment
     except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
@@ -94,7 +128,9 @@ def set_worker_env(spark, name: str, value: Optional[str]) -> None:
 
 
 def quiet(spark, level: str = "ERROR") -> None:
-    """Spark's own log level for this application."""
+    """Spark's own log level for this application (a Connect client leaves the server's)."""
+    if is_connect(spark):
+        return
     try:
         spark.sparkContext.setLogLevel(level)
     except Exception:  # noqa: BLE001 - Spark Connect
@@ -105,6 +141,8 @@ def executor_count(spark) -> Optional[int]:
     """Executors currently registered (the driver not counted; local mode: 1), None if unknown."""
     if _master(spark).startswith("local["):
         return 1
+    if is_connect(spark):
+        return None
     try:
         n = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size()  # includes the driver
         return max(1, int(n) - 1)
@@ -115,6 +153,8 @@ def executor_count(spark) -> Optional[int]:
 def collect(spark, df, description: str):
     """`df.collect()` with `description` as the Spark job description (the UI's and the event
     log's ``spark.job.description``), so a batch's jobs can be told apart."""
+    if is_connect(spark):  # a Connect client sets no local properties: no description
+        return df.collect()
     key = "spark.job.description"
     try:
         sc = spark.sparkContext

@@ -43,7 +43,7 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     parallelism)."""
     import pandas as pd
 
-    from dstl.spark.keyed import ensure_importable_on_workers
+    from dstl.spark.session import default_parallelism, ensure_importable_on_workers
 
     meta = open_checkpoint(base_path, checkpoint_id)
     names, key_type = first_look(meta, storage_options)
@@ -53,7 +53,7 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
             known = ", ".join(sorted(names)) or "none"
             raise StateReadError(f"checkpoint {meta.checkpoint_id} at {base_path} has no state {state_name!r} "
                                  f"(states: {known})")
-    n = tasks or max(meta.parallelism, spark.sparkContext.defaultParallelism)
+    n = tasks or max(meta.parallelism, default_parallelism(spark))
     ranges = key_group_ranges(meta.max_parallelism, n)
     ensure_importable_on_workers(spark)
     cid = meta.checkpoint_id
@@ -114,7 +114,7 @@ def _all_state_names(spark, base_path, meta, serializers, storage_options) -> Di
     """Every state's name and kind, found by the executors (the driver reads no changelog)."""
     import pandas as pd
 
-    from dstl.spark.keyed import ensure_importable_on_workers
+    from dstl.spark.session import ensure_importable_on_workers
 
     ranges = [s.key_group_range for s in meta.subtasks if not s.key_group_range.is_empty()]
     ensure_importable_on_workers(spark)
@@ -145,7 +145,7 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
     (checkpoint, changelog handle); both checkpoints must be retained."""
     import pandas as pd
 
-    from dstl.spark.keyed import ensure_importable_on_workers
+    from dstl.spark.session import ensure_importable_on_workers
 
     work = [(cid, hb, entries) for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint)
             for _, _, hb, entries in per_subtask]

@@ -104,8 +104,10 @@ class StatefulStream:
     """A keyed stateful operator for `foreachBatch` and batch DataFrames (see the module docstring).
 
     `processor`: a `StatefulProcessor` (instance, any object with its methods) or a vectorised
-    `fn(rows: pd.DataFrame, state: KeyedStateBackend) -> pd.DataFrame`. `output_schema`: DDL or
-    StructType of what it returns. Options beyond Spark's: `null_keys` ("error" or "drop"),
+    `fn(rows: pd.DataFrame, state: KeyedStateBackend) -> pd.DataFrame`. `api`: the flavour the
+    processor is written for, "pandas" (the default: transformWithStateInPandas, DataFrames in and
+    out) or "row" (transformWithState: Rows in and out). `output_schema`: DDL or StructType of what
+    it returns (a DDL string is parsed without a session, or at the first batch). Options beyond Spark's: `null_keys` ("error" or "drop"),
     `initial_state` (a DataFrame for `handleInitialState`, applied on the job's first batch),
     `clock` (ms; the batch timestamp, for tests), `retain` (checkpoints kept),
     `materialize_every` (changes logged per subtask before a compact snapshot), `resume_from` (roll
@@ -128,9 +130,9 @@ class StatefulStream:
                  storage_options: Optional[Dict[str, Any]] = None, null_keys: str = "error",
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
-                 resume_from: Optional[int] = None):
+                 resume_from: Optional[int] = None, api: str = "pandas"):
         from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
-        from dstl.spark.processor import is_stateful_processor, normalize_time_mode
+        from dstl.spark.processor import is_stateful_processor, normalize_api, normalize_time_mode
 
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
@@ -139,6 +141,10 @@ class StatefulStream:
         self.is_processor = is_stateful_processor(processor)
         if not self.is_processor and not callable(processor):
             raise TypeError("processor must be a StatefulProcessor or a function fn(rows, state)")
+        self.api = normalize_api(api)
+        if self.api == "row" and not self.is_processor:
+            raise ValueError("api='row' is for a StatefulProcessor written for transformWithState; a "
+                             "vectorised fn(rows, state) always gets a pandas DataFrame")
         self.parallelism = _check_int("parallelism", parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
         # validated once, here at the boundary; the stored value wins on resume
         self.max_parallelism = None if max_parallelism is None else _check_int(
@@ -173,7 +179,7 @@ class StatefulStream:
         self.clock = clock or (lambda: int(time.time() * 1000))
         self.retain = retain
         self.backend_options = {"materialize_every_changes": materialize_every} if materialize_every else {}
-        self._arrow_schema = _output_arrow_schema(output_schema)
+        self._output_struct = _parse_output_schema(output_schema)  # None: parsed at the first batch
         self._schemas = None
         #: {state: {"old": record, "new": record}} to convert in the next batch (a resume's first)
         self._evolutions: Dict[str, Dict[str, Any]] = {}
@@ -246,6 +252,15 @@ class StatefulStream:
         return self.open().spec.max_parallelism
 
     # ---------------------------------------------------------------- entry points
+    def __getstate__(self) -> Dict[str, Any]:
+        # Spark Connect pickles the foreachBatch function to the server's foreachBatch worker: the
+        # open job (storage, threads) and the session-bound stage are rebuilt there, never shipped
+        state = dict(self.__dict__)
+        state["coordinator"] = None
+        if "_stage" in state:
+            state["_stage"] = None
+        return state
+
     def __call__(self, df, batch_id: int) -> "StreamBatchResult":
         """The `foreachBatch` function: process Spark's micro-batch `batch_id` exactly once."""
         return self.process(df, int(batch_id))
@@ -335,15 +350,17 @@ class StatefulStream:
         stage = self._stage_for(spark)
         t_prep = time.perf_counter()
         # the broadcast inside the stage evaluates `keyed` once: nothing to persist
-        ctx = BatchContext(batch_ts, watermark, self.time_mode)
+        out_schema = self._output_struct_type()
+        ctx = BatchContext(batch_ts, watermark, self.time_mode, api=self.api)
+        if self.api == "row":
+            ctx = self._row_context(ctx, spark, sdf, out_schema)
         initial = self._initial_by_subtask(maxp) if latest is None else None
         fn = make_task_fn(self.processor, self.key, ctx, initial,
                           event_col=ET_COL if self.time_mode == "EventTime" else None,
                           evolutions=self._evolutions)
         plan = coord.plan(batch_id, self.parallelism)
         plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-        reports_df = stateful_map_in_pandas_staged(keyed, fn, self.output_schema, checkpoint=plan,
-                                                   stage=stage)
+        reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage)
         # evaluated exactly once
         rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
         reports = [TaskReport.from_row(r) for r in rows]
@@ -388,6 +405,22 @@ class StatefulStream:
         self.results.append(res)
         return res
 
+    def _output_struct_type(self):
+        """The output schema as a StructType (a DDL string only Spark parses: parsed now, once)."""
+        if self._output_struct is None:
+            self._output_struct = _parse_output_schema(self.output_schema, spark_only=True)
+        return self._output_struct
+
+    def _row_context(self, ctx, spark, sdf, out_schema):
+        """The row API's extras: input value types, the session time zone, the output's Arrow schema."""
+        from dstl.spark.keyed import _arrow_output_schema
+
+        init_schema = getattr(self.initial_state, "schema", None)
+        return dataclasses.replace(
+            ctx, input_schema=sdf.schema, time_zone=spark.conf.get("spark.sql.session.timeZone", None),
+            initial_schema=init_schema if hasattr(init_schema, "fields") else None,
+            output_arrow_schema=_arrow_output_schema(out_schema))
+
     def _deliver(self, spark, batch_id: int, checkpoint_id: int) -> bool:
         """Call the sink for a committed batch unless it already returned; True if called."""
         from dstl.spark.sink import mark_sink_done, prune_markers, read_batch_output, sink_done
@@ -396,7 +429,7 @@ class StatefulStream:
             return False
         called = False
         if self.sink is not None:
-            out = read_batch_output(spark, self.coordinator.batch_output_dir(batch_id), self.output_schema)
+            out = read_batch_output(spark, self.coordinator.batch_output_dir(batch_id), self._output_struct_type())
             self.sink(out, batch_id)
             called = True
         mark_sink_done(self.base_path, batch_id, checkpoint_id)
@@ -486,11 +519,32 @@ def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[
         raise ValueError(f"storage_options: {exc}") from None
 
 
-def _output_arrow_schema(schema: Any):
+def _parse_output_schema(schema: Any, spark_only: bool = False):
+    """The output schema as a StructType, checked by converting it to Arrow. A DDL string is parsed
+    without a session (dstl.state.schema.parse_ddl); one that needs Spark's parser (comments,
+    NOT NULL, ...) is parsed by Spark when a session is active, else None: at the first batch."""
+    from pyspark.sql.types import StructType
+
     from dstl.spark.keyed import _arrow_output_schema
 
     try:
-        return _arrow_output_schema(schema)
+        if isinstance(schema, str) and not spark_only:
+            from dstl.state.schema import parse_ddl
+
+            try:
+                struct = parse_ddl(schema)
+            except ValueError:
+                from pyspark.sql import SparkSession
+
+                if SparkSession.getActiveSession() is None:
+                    return None
+                struct = StructType.fromDDL(schema)
+        else:
+            struct = StructType.fromDDL(schema) if isinstance(schema, str) else schema
+        if not isinstance(struct, StructType):
+            raise TypeError(f"a {type(struct).__name__}, not a struct of columns")
+        _arrow_output_schema(struct)
+        return struct
     except Exception as exc:
         raise ValueError(f"output_schema {schema!r} is not a valid DDL string or StructType: {exc}") from None
 
