@@ -115,7 +115,23 @@ def create_file(fs, path: str, data: bytes) -> bool:
     return False
 
 
+def replace_file(fs, path: str, data: bytes) -> None:
+    """Write `data` to `path`, replacing what is there: readers see the old or the new file, whole."""
+    if is_local(fs):
+        _write_local(fs._strip_protocol(path), data, exclusive=False)
+        return
+    directory = path.rsplit("/", 1)[0]
+    fs.makedirs(directory, exist_ok=True)
+    fs.pipe_file(path, data)  # one PUT on object stores: the object appears whole or not at all
+    fs.invalidate_cache(directory)
+
+
 def _create_local(path: str, data: bytes) -> None:
+    _write_local(path, data, exclusive=True)
+
+
+def _write_local(path: str, data: bytes, exclusive: bool) -> None:
+    """A temporary file, fsynced, then linked (exclusive) or renamed into place; the directory fsynced."""
     import uuid
 
     directory = os.path.dirname(path)
@@ -126,16 +142,19 @@ def _create_local(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # atomic and exclusive
-        except FileExistsError:
-            raise FileExistsError(f"{path} already exists") from None
-        except OSError:  # no hard links on this filesystem: O_EXCL still decides who creates it
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+        if not exclusive:
+            os.replace(tmp, path)  # atomic on POSIX
+        else:
+            try:
+                os.link(tmp, path)  # atomic and exclusive
+            except FileExistsError:
+                raise FileExistsError(f"{path} already exists") from None
+            except OSError:  # no hard links on this filesystem: O_EXCL still decides who creates it
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
     finally:
         try:
             os.unlink(tmp)
@@ -305,7 +324,7 @@ def probe_base_path(base_path: str) -> None:
 
 
 __all__ = ["filesystem", "is_local", "root_of", "url_of", "key", "key_of_url", "join", "changelog_dir",
-           "validate_base_path", "register_options", "options_for", "has_atomic_create", "create_file",
+           "validate_base_path", "register_options", "options_for", "has_atomic_create", "create_file", "replace_file",
            "probe_base_path", "StoreUnreachableError", "unreachable_reason"]
 
 _load_options_env()  # the upload service and its uploaders: options from the client that started it

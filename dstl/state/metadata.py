@@ -17,7 +17,6 @@ import logging
 import os
 import struct
 import time
-import uuid
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
@@ -312,35 +311,6 @@ def checkpoint_path(base_path: str, checkpoint_id: int) -> str:
                  METADATA_FILE)
 
 
-def _write_local(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{METADATA_FILE}.inprogress-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, whole
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the new directory entry durable
-    finally:
-        os.close(fd)
-
-
-def _write_remote(fs, path: str, data: bytes) -> None:
-    directory = path.rsplit("/", 1)[0]
-    fs.makedirs(directory, exist_ok=True)
-    fs.pipe_file(path, data)  # one PUT on object stores: the object appears whole or not at all
-    fs.invalidate_cache(directory)
-
-
 class CheckpointExistsError(FileExistsError, DstlError):
     """A checkpoint id another writer (or an earlier attempt) completed first."""
 
@@ -382,10 +352,7 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
     fs.invalidate_cache(path.rsplit("/", 1)[0])
     data = metadata.to_bytes(base=base_path)
     if overwrite:
-        if _is_local(fs):
-            _write_local(path, data)
-        else:
-            _write_remote(fs, path, data)
+        dfs.replace_file(fs, path, data)
     else:
         try:
             dfs.create_file(fs, path, data)
