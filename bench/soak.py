@@ -101,7 +101,12 @@ def driver(base: str, input_dir: str, ckpt: str, progress: str, materialize_ever
     from dstl.spark import StatefulStream
     from dstl.tools.stream_demo import run_file_stream
 
-    spark = (SparkSession.builder.master("local[2,4]").appName("dstl-soak")
+    builder = SparkSession.builder
+    heap = os.environ.get("SOAK_DRIVER_HEAP")
+    if heap:  # a heap committed and touched at start: RSS growth after that is not the heap filling up
+        builder = builder.config("spark.driver.memory", heap).config(
+            "spark.driver.extraJavaOptions", f"-Xms{heap} -XX:+AlwaysPreTouch")
+    spark = (builder.master("local[2,4]").appName("dstl-soak")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
              .config("spark.sql.shuffle.partitions", "2").config("spark.task.maxFailures", "4").getOrCreate())
@@ -284,7 +289,7 @@ def run(args) -> int:
     progress, log_path = os.path.join(out, "progress.jsonl"), os.path.join(out, "driver.log")
     runtime = os.path.join(out, "rt")
     os.makedirs(runtime, exist_ok=True)
-    env = dict(os.environ, DSTL_RUNTIME_DIR=runtime,
+    env = dict(os.environ, DSTL_RUNTIME_DIR=runtime, SOAK_DRIVER_HEAP=args.driver_heap,
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     print(f"soak: writing {args.batches} input files ({args.events_per_batch} events each, {args.keys} keys) "
           f"to {inputs}", flush=True)
@@ -453,6 +458,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--results", default=None, help="copy soak.json and soak.png here (make soak: bench/results)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--smoke", action="store_true", help="8 batches, one kill of each kind")
+    p.add_argument("--driver-heap", default="1g",
+                   help="the driver JVM's heap, fixed (-Xms = -Xmx, pre-touched) so that its RSS can only grow "
+                        "outside the heap; '' leaves Spark's lazily growing default")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.keys, args.events_per_batch, args.every = 8, 500, 200, 1
