@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -45,6 +46,36 @@ for _labels, _factor in (
 
 # ASCII digits only: str.isdigit() would accept '²' and other Unicode digits.
 _AMOUNT = re.compile(r"([0-9]+)(.*)", re.DOTALL)
+
+# URL prefix -> fsspec options (endpoint_url, key/secret, client_kwargs, ...), in memory only: the
+# storage options that carry them are registered by every process that opens a storage on them
+_OPTIONS: Dict[str, Dict[str, Any]] = {}
+_OPTIONS_LOCK = threading.Lock()
+
+
+def _prefix(url: str) -> str:
+    return url.rstrip("/")
+
+
+def register_options(url: str, options: Optional[Mapping[str, Any]]) -> None:
+    """Use fsspec `options` for every file system opened on `url` or below it (and on the rest of
+    its bucket or host, unless another registration is more specific). Kept in memory only."""
+    if not options or "://" not in str(url):
+        return
+    url = _prefix(os.fspath(url))
+    proto, rest = url.split("://", 1)
+    with _OPTIONS_LOCK:
+        _OPTIONS[url] = dict(options)
+        _OPTIONS.setdefault(f"{proto}://{rest.split('/', 1)[0]}", dict(options))
+
+
+def options_for(url: str) -> Dict[str, Any]:
+    """The fsspec options registered for `url` (longest matching prefix), else {}."""
+    if not _OPTIONS or "://" not in url:
+        return {}
+    with _OPTIONS_LOCK:
+        best = max((p for p in _OPTIONS if url == p or url.startswith(p + "/")), key=len, default=None)
+        return dict(_OPTIONS[best]) if best is not None else {}
 
 
 def _bad(key: str, value: Any, why: str) -> ValueError:
@@ -252,8 +283,6 @@ class StorageConfig:
         object.__setattr__(self, "fs_options", dict(fs_options))
         self._validate()
         if self.fs_options:
-            from dstl.changelog.fs import register_options
-
             register_options(self.base_path, self.fs_options)
 
     def _validate(self) -> None:

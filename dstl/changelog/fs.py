@@ -7,36 +7,15 @@ registry of protocols (a module can register more, e.g. through DSTL_SERVICE_IMP
 from __future__ import annotations
 
 import os
-import threading
-
-from dstl.errors import DstlError
 from typing import Any, Dict, Mapping, Optional, Tuple
+
+# the registry of fsspec options lives with the options (dstl.config); re-exported here
+from dstl.config import _prefix, options_for, register_options
+from dstl.errors import DstlError
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # protocols whose stores create a file only if it does not exist, atomically (S3: If-None-Match: *)
 _ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a"})
-
-# URL prefix -> fsspec options (endpoint_url, key/secret, client_kwargs, ...), in memory only: the
-# storage options that carry them are registered by every process that opens a storage on them
-_OPTIONS: Dict[str, Dict[str, Any]] = {}
-_OPTIONS_LOCK = threading.Lock()
-
-
-def _prefix(url: str) -> str:
-    return url.rstrip("/")
-
-
-def register_options(url: str, options: Optional[Mapping[str, Any]]) -> None:
-    """Use fsspec `options` for every file system opened on `url` or below it (and on the rest of
-    its bucket or host, unless another registration is more specific). Kept in memory only."""
-    if not options or "://" not in str(url):
-        return
-    url = _prefix(os.fspath(url))
-    proto, rest = url.split("://", 1)
-    with _OPTIONS_LOCK:
-        _OPTIONS[url] = dict(options)
-        _OPTIONS.setdefault(f"{proto}://{rest.split('/', 1)[0]}", dict(options))
-
 
 #: how a process hands its fsspec options to the upload service it starts (environment, not a file)
 OPTIONS_ENV = "DSTL_FS_OPTIONS"
@@ -61,15 +40,6 @@ def _load_options_env() -> None:
 
     for url, options in pickle.loads(base64.b64decode(raw)).items():
         register_options(url, options)
-
-
-def options_for(url: str) -> Dict[str, Any]:
-    """The fsspec options registered for `url` (longest matching prefix), else {}."""
-    if not _OPTIONS or "://" not in url:
-        return {}
-    with _OPTIONS_LOCK:
-        best = max((p for p in _OPTIONS if url == p or url.startswith(p + "/")), key=len, default=None)
-        return dict(_OPTIONS[best]) if best is not None else {}
 
 
 def filesystem(url: str, options: Optional[Mapping[str, Any]] = None) -> Tuple[object, str]:

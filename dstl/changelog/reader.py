@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from dstl._timer import TimerThread
 from dstl.errors import CorruptChangelogError
 from dstl.changelog.handles import StreamStateHandle, is_local_filesystem
+from dstl.changelog.upload.service.runtime import CACHE_PREFIX, sweep_download_caches
 from dstl.types import StateChange
 
 log = logging.getLogger(__name__)
@@ -112,29 +113,7 @@ class _Entry:
         self.size = 0
 
 
-CACHE_PREFIX = "dstl-download-cache-"
 _swept = False
-
-
-def sweep_download_caches(directory: Optional[str] = None) -> int:
-    """Remove `dstl-download-cache-<pid>-*` directories whose process is gone; returns how many."""
-    from dstl.changelog.upload.service.runtime import pid_alive
-
-    directory = directory or tempfile.gettempdir()
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        if not name.startswith(CACHE_PREFIX):
-            continue
-        pid = name[len(CACHE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
-            continue
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-        removed += 1
-    return removed
 
 
 def _sweep_once() -> None:

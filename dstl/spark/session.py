@@ -150,6 +150,15 @@ def executor_count(spark) -> Optional[int]:
         return None
 
 
+def application_of(spark) -> Any:
+    """What identifies the Spark application behind a session: sessions of one application share
+    the cache (and so a placed anchor); under Spark Connect, the session itself."""
+    try:
+        return ("app", spark.sparkContext.applicationId)
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        return ("session", id(spark))
+
+
 def collect(spark, df, description: str):
     """`df.collect()` with `description` as the Spark job description (the UI's and the event
     log's ``spark.job.description``), so a batch's jobs can be told apart."""
@@ -181,7 +190,8 @@ class SubtaskStage:
             raise ValueError(f"parallelism must be a positive int, got {parallelism!r}")
         self.spark = spark
         self.parallelism = parallelism
-        self._anchor = None
+        self._anchor = None  # the persisted anchor (what close() unpersists)
+        self._view = None  # the anchor as a DataFrame of the current session
         self.placements = 0
 
     #: how often a first placement is redone when it leaves an executor with 2+ subtasks more than another
@@ -204,11 +214,21 @@ class SubtaskStage:
                 self.close()
         return self._anchor
 
+    def _plan(self, spark):
+        return spark.range(0, self.parallelism, 1, numPartitions=self.parallelism).withColumnRenamed("id", ANCHOR_COL)
+
+    def rebind(self, spark) -> None:
+        """Go on in another session of the same application (foreachBatch may hand a batch a new
+        session object). An application's sessions share Spark's cache, which matches plans, so the
+        same plan built in `spark` reads the anchor's cached blocks: the placement carries over."""
+        self.spark = spark
+        if self._anchor is not None:
+            self._view = self._plan(spark)
+
     def _place(self):
         from pyspark import StorageLevel
 
-        df = self.spark.range(0, self.parallelism, 1, numPartitions=self.parallelism)
-        df = df.withColumnRenamed("id", ANCHOR_COL).persist(StorageLevel.MEMORY_ONLY)
+        df = self._plan(self.spark).persist(StorageLevel.MEMORY_ONLY)
         # materialise: P tasks with no preference, which the scheduler hands to free cores; with tiny
         # tasks one executor may take several before another asks (hence the check in anchor())
         df.count()
@@ -242,6 +262,8 @@ class SubtaskStage:
         from pyspark.sql import functions as F
 
         anchor = self.anchor()
+        if self._view is not None:
+            anchor = self._view
         joined = anchor.join(F.broadcast(batch), F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
         return joined.mapInPandas(task, schema)
 
@@ -252,6 +274,7 @@ class SubtaskStage:
             except Exception:  # noqa: BLE001 - the session may be gone already
                 pass
             self._anchor = None
+        self._view = None
 
 
 # ------------------------------------------------------------------ in the Python worker

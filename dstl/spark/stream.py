@@ -306,10 +306,17 @@ class StatefulStream:
             self.coordinator.finish()
 
     def _stage_for(self, spark):
-        """The stage that keeps subtask i on its executor (a new one for a new session)."""
-        from dstl.spark.session import SubtaskStage
+        """The stage that keeps subtask i on its executor: kept across the session objects of one
+        application (the placement carries over), a new one for another application."""
+        from dstl.spark.session import SubtaskStage, application_of
 
-        if self._stage is None or self._stage.spark is not spark:
+        if self._stage is not None and self._stage.spark is not spark:
+            if application_of(self._stage.spark) == application_of(spark):
+                self._stage.rebind(spark)
+            else:
+                self._stage.close()
+                self._stage = None
+        if self._stage is None:
             self._stage = SubtaskStage(spark, self.parallelism)
         return self._stage
 

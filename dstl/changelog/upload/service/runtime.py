@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -263,6 +264,26 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
     return removed
 
 
+CACHE_PREFIX = "dstl-download-cache-"
+def sweep_download_caches(directory: Optional[str] = None) -> int:
+    """Remove `dstl-download-cache-<pid>-*` directories whose process is gone; returns how many."""
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(CACHE_PREFIX):
+            continue
+        pid = name[len(CACHE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
 def sweep_stale(root: Optional[str] = None) -> dict:
     """What a starting client cleans up: dead services' runtime directories, download caches of dead
     processes, shared-memory segments whose service and client both died. Never raises."""
@@ -272,8 +293,6 @@ def sweep_stale(root: Optional[str] = None) -> dict:
     except OSError as exc:
         _log().warning("could not sweep the runtime directory: %s", exc)
     try:
-        from dstl.changelog.reader import sweep_download_caches
-
         out["download_caches"] = sweep_download_caches()
     except OSError as exc:
         _log().warning("could not sweep download caches: %s", exc)
