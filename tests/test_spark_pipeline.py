@@ -92,8 +92,11 @@ def test_task_failure_is_retried_without_duplicates(spark, tmp_path):
     assert report.verify == [], report.render()
     marker = tmp_path / "job" / "_dstl_failures" / "batch-000002"
     assert marker.exists(), "the injected failure did not happen"
-    # the retried attempt restored subtask 0 from checkpoint 2 instead of using a half-updated cache
-    assert report.fail_restore_ms is not None
+    # Spark retried the failed task and its report was accepted. The half-updated backend was closed,
+    # never cached: the retry restored from checkpoint 2, or continued in another Python worker whose
+    # cached backend is exactly at checkpoint 2 (local[2,4] keeps several workers); --verify above
+    # shows the output is exact either way
+    assert report.fail_retries >= 1
     assert _unreferenced_changelog_files(base, report.job_id) == []
 
 

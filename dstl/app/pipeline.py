@@ -274,6 +274,8 @@ class Report:
     deleted_files: int = 0
     restores: List[float] = field(default_factory=list)
     fail_restore_ms: Optional[float] = None
+    #: accepted task reports of the --fail-at batch from a retried attempt (attempt > 0)
+    fail_retries: int = 0
     verify_restore_ms: Optional[float] = None
     state_size: int = 0
     users: Optional[int] = None
@@ -479,6 +481,7 @@ def _each_batch(args, coord, source, session, job, report: Report, stream, event
                 times = [r.restore_ms for r in res.reports if r.restored]
                 report.restores += times
                 if args.fail_at == b:
+                    report.fail_retries = sum(1 for r in res.reports if r.attempt > 0)
                     retried = [r.restore_ms for r in res.reports if r.restored and r.attempt > 0]
                     report.fail_restore_ms = max(retried) if retried else None
         restored_from = res.checkpoint_id
