@@ -244,6 +244,11 @@ cdef class StateAppender:
     def set(self, int op, key, logged, value):
         """`change(op, key, logged)`, then `value` becomes the key's entry in this state's table."""
         cdef long g = self._change(op, key, (logged,))
+        self._put(g, key, value)
+        return g
+
+    cdef inline void _put(self, long g, key, value) except *:
+        # `value` becomes the key's entry in this state's table of key group `g`
         t = self.tables.get(g)
         if t is None:
             t = self.tables[g] = {}
@@ -251,7 +256,6 @@ cdef class StateAppender:
         if s is None:
             s = (<dict>t)[self.name] = {}
         (<dict>s)[key] = value
-        return g
 
     def change(self, int op, key, *fields):
         return self._change(op, key, fields)
@@ -286,13 +290,7 @@ cdef class StateAppender:
         if value is None or not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return self.slow_update(key, value)
         g = self._change(self.set_op, key, (value,))
-        t = self.tables.get(g)
-        if t is None:
-            t = self.tables[g] = {}
-        s = (<dict>t).get(self.name)
-        if s is None:
-            s = (<dict>t)[self.name] = {}
-        (<dict>s)[key] = value
+        self._put(g, key, value)
         b = self.k.backend
         if b._deferred_error is not None or b.materialize_every_changes is not None \
                 or b.materialize_every_bytes is not None:
