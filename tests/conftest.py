@@ -2,13 +2,30 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+# The suite's temporary files, and those of every process and JVM it starts, go below one directory
+# that the session removes at its end: a test that SIGKILLs a JVM leaves Spark's spark-*/blockmgr-*
+# directories and lz4-java's extracted library behind, and pytest keeps its own basetemps.
+# dstl's own clean-up is tested where it happens (test_leftovers.py), not hidden by this.
+SESSION_TMP = tempfile.mkdtemp(prefix="dstl-tests-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = None  # re-read TMPDIR
+# hsperfdata_<user> goes to /tmp whatever java.io.tmpdir says; the suite does not need it
+_JAVA_TMP = f"-Djava.io.tmpdir={SESSION_TMP} -XX:-UsePerfData"
+os.environ["JAVA_TOOL_OPTIONS"] = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} {_JAVA_TMP}".strip()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 # Golden files written by Apache Flink 2.3's DSTL (see fixtures/flink/README.md).
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "flink")
