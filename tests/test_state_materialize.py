@@ -126,6 +126,35 @@ def test_interval_by_changes_and_bytes(storage):
     assert dump(KeyedStateBackend.restore(storage, "op2", FULL, MAXP, [snap])) == dump(c)
 
 
+def test_restored_log_counts_towards_the_interval(storage):
+    # a subtask restored at every checkpoint (moved, or its Python worker replaced) must still
+    # materialize: the log it restored was logged since the last materialization
+    every, per_checkpoint = 100, 30
+    snap, expected = None, {}
+    files, carried = [], []
+    for cid in range(1, 16):
+        b = (KeyedStateBackend(storage, "op", FULL, MAXP, materialize_every_changes=every) if snap is None
+             else KeyedStateBackend.restore(storage, "op", FULL, MAXP, [snap], materialize_every_changes=every))
+        if snap is not None:
+            assert b._since_changes == b.restore_stats["log_changes"]
+            carried.append(b._since_changes)
+        v = b.value_state("v")
+        for k in range(per_checkpoint):
+            v.update(k, cid * 1000 + k)
+            expected[k] = cid * 1000 + k
+        snap = b.snapshot(cid).result()
+        b.confirm(cid)
+        files.append(len(snap.files()))
+        b.close()
+    # one materialization + at most ceil(100 / 30) logs; without the carried count the log would
+    # grow by one file per checkpoint (15 here)
+    assert max(files[5:]) <= 1 + -(-every // per_checkpoint), files
+    assert max(carried) >= 2 * per_checkpoint, carried   # logs of several checkpoints were carried
+    restored = KeyedStateBackend.restore(storage, "op", FULL, MAXP, [snap])
+    assert dict(restored.value_state("v").items()) == expected
+    restored.close()
+
+
 def test_materialize_without_changes_is_a_no_op(storage):
     b = KeyedStateBackend(storage, "op", FULL, MAXP)
     fill(b, 10)

@@ -372,6 +372,10 @@ class KeyedStateBackend:
         try:
             base = replay_snapshots(backend, snapshots, serializers or {})
             backend._mat = Materialization.restored(base, backend._writer.initial_sequence_number())
+            # the restored log counts towards the interval: a subtask restored at every batch (moved,
+            # or its worker restarted) must still materialize, or its log and restore time grow forever
+            backend._since_changes = backend.restore_stats["log_changes"]
+            backend._since_bytes = backend.restore_stats["log_bytes"]
             if materialize_on_restore:
                 backend.materialize()
         except BaseException:

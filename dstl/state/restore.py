@@ -18,8 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def replay_snapshots(backend: "KeyedStateBackend", snapshots: Sequence[KeyedStateSnapshot], serializers: Dict[str, Any]) -> List[Any]:
+    # log_changes / log_bytes: the restored data changes that are not materialized key-group
+    # snapshots, i.e. what was logged since the last materialization; the backend counts it on
     stats = {"handles": 0, "change_sets": 0, "changes_read": 0, "changes_applied": 0,
-             "meta_changes": 0, "bytes_read": 0}
+             "meta_changes": 0, "bytes_read": 0, "log_changes": 0, "log_bytes": 0}
     backend.restore_stats = stats
     reader = backend.storage.create_reader()
     base: List[Any] = []
@@ -44,7 +46,8 @@ def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Di
     local: Dict[int, _State] = {}   # state ids are per log
     stats["handles"] += 1
     META, KG_SNAPSHOT, names = C.METADATA, C.KEY_GROUP_SNAPSHOT, C.OP_NAMES
-    applied = meta_changes = 0
+    applied = meta_changes = snapshots = 0
+    read = not_logged = 0           # payload bytes: all, and those of metadata and snapshots
     cur_kg: Optional[int] = None    # key group whose per-state tables are cached in `cur`
     cur: Dict[Any, dict] = {}
     it = reader.get_changes_arrays(handle)
@@ -52,7 +55,7 @@ def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Di
         for buf, kgs, offs, lens in it:
             stats["change_sets"] += 1
             stats["changes_read"] += len(kgs)
-            stats["bytes_read"] += int(lens.sum())
+            read += int(lens.sum())
             view = buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
             for kg, off, ln in zip(kgs.tolist(), offs.tolist(), lens.tolist()):
                 if ln == 0:
@@ -66,11 +69,14 @@ def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Di
                     raise CorruptChangelogError(f"undecodable {names[op]} change body: {exc}", off) from exc
                 if op == META:
                     meta_changes += 1
+                    not_logged += ln
                     meta = C.decode_meta(body)
                     local[meta.state_id] = _restore_meta(backend, meta, serializers)
                     continue
                 applied += 1
                 if op == KG_SNAPSHOT:
+                    snapshots += 1
+                    not_logged += ln
                     cur_kg = None
                     _apply_kg_snapshot(backend, kg, body, local)
                     continue
@@ -95,6 +101,9 @@ def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Di
         it.close()
         stats["changes_applied"] += applied
         stats["meta_changes"] += meta_changes
+        stats["bytes_read"] += read
+        stats["log_changes"] += applied - snapshots
+        stats["log_bytes"] += read - not_logged
 
 def _restore_meta(backend: "KeyedStateBackend", meta: C.StateMeta, serializers: Dict[str, Any]) -> _State:
     existing = backend._states.get(meta.name)
