@@ -5,6 +5,10 @@ base revision (its `dstl/_fast/_decode.pyx`, compiled beside this run as `_decod
 over 128 key groups, written once by `append_many` in thread mode. Every variant's changes are
 checked against the base's (key groups and a digest of the payloads) before the rounds start.
 
+Beside them, the floor of the path (`_restore_floor.pyx`, compiled the same way): the same loop over a
+C iterator that returns one object it keeps, then one that makes a `bytes` per change, then a `bytes`
+and a `StateChange` per change, over the same payloads, with no file, parsing or checking.
+
 Usage: .venv/bin/python bench/flink/restore_ab.py [--base-rev REV] [--changes N] [--rounds R]
 """
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import hashlib
 import itertools
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,22 +36,32 @@ SETUP = """
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 setup(script_args=["build_ext", "--inplace", "-q"], ext_modules=cythonize(
-    [Extension("_decode_base", ["_decode_base.pyx"], extra_compile_args=["-O3"])],
+    [Extension(m, [m + ".pyx"], extra_compile_args=["-O3"]) for m in ("_decode_base", "_restore_floor")],
     include_path=[{root!r}], language_level=3, quiet=True))
 """
 
 
 def build_base(rev: str, into: str):
-    """Compile `rev`'s _decode.pyx as the module `_decode_base` in `into` and import it."""
+    """Compile `rev`'s _decode.pyx as the module `_decode_base` in `into`, and the floor beside it;
+    import both."""
     src = subprocess.check_output(["git", "show", f"{rev}:dstl/_fast/_decode.pyx"], cwd=ROOT)
     with open(os.path.join(into, "_decode_base.pyx"), "wb") as f:
         f.write(src)
+    shutil.copy(os.path.join(HERE, "_restore_floor.pyx"), into)
     subprocess.run([sys.executable, "-c", SETUP.format(root=ROOT)], cwd=into, check=True,
                    stdout=subprocess.DEVNULL)
     sys.path.insert(0, into)
     import _decode_base
+    import _restore_floor
 
-    return _decode_base
+    return _decode_base, _restore_floor
+
+
+def floor_loop(floor, data: bytes, n: int, mode: int) -> int:
+    count = 0
+    for _ in floor.Floor(data, n, ds.VALUE, mode):
+        count += 1
+    return count
 
 
 def read_objects(reader, handle, use) -> int:
@@ -79,7 +94,7 @@ def main(argv=None) -> int:
         return 2
     new = (fmt.iter_change_set, fmt.chain_changes)
     with tempfile.TemporaryDirectory(prefix="dstl-bench-restore-ab-") as tmp:
-        base = build_base(args.base_rev, tmp)
+        base, floor = build_base(args.base_rev, tmp)
         variants = {
             f"base ({args.base_rev})": (base.iter_change_set, itertools.chain.from_iterable),
             "walk, itertools.chain": (new[0], itertools.chain.from_iterable),
@@ -94,20 +109,26 @@ def main(argv=None) -> int:
             for name, use in variants.items():
                 got = digest(reader, handle, use)
                 assert got == want, f"{name}: the changes differ from the base's"
-            ns = {name: [] for name in variants}
+            floors = {"floor: the loop, one kept object": 0, "floor: + a bytes per change": 1,
+                      "floor: + a StateChange per change": 2}
+            ns = {name: [] for name in (*variants, *floors)}
             for _ in range(args.rounds):
                 for name, use in variants.items():
                     t0 = time.thread_time_ns()
                     n = read_objects(reader, handle, use)
                     ns[name].append((time.thread_time_ns() - t0) / n)
                     assert n == args.changes
+                for name, mode in floors.items():
+                    t0 = time.thread_time_ns()
+                    n = floor_loop(floor, w.data, args.changes, mode)
+                    ns[name].append((time.thread_time_ns() - t0) / n)
         fmt.iter_change_set, fmt.chain_changes = new
     print(f"restore as objects, {args.changes:,} changes x {ds.VALUE} B, medians of {args.rounds} interleaved "
           f"rounds, thread CPU time (load {os.getloadavg()[0]:.1f}):")
     first = next(iter(ns))
     for name, xs in ns.items():
         r = [b / x for b, x in zip(ns[first], xs)]
-        print(f"  {name:28s} {statistics.median(xs):5.1f} ns a change ({min(xs):.1f}-{max(xs):.1f})   "
+        print(f"  {name:34s} {statistics.median(xs):5.1f} ns a change ({min(xs):.1f}-{max(xs):.1f})   "
               f"base / this, per round: {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
     return 0
 
