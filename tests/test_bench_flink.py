@@ -213,3 +213,19 @@ def test_the_side_measurements_run_on_a_small_workload(script, args, expect):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in expect:
         assert text in proc.stdout, proc.stdout
+
+
+def test_restore_ab_runs_on_a_small_workload():
+    """bench/flink/restore_ab.py (the restore figures in docs/benchmarks.md) compiles the base decoder
+    and the floor, checks every variant's changes against the base's and prints the rows; it compares
+    compiled decoders, so the pure-Python run checks that it refuses."""
+    from conftest import expected_implementation
+
+    proc = subprocess.run([sys.executable, os.path.join(FLINK_BENCH, "restore_ab.py"), "--changes", "20000",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    if expected_implementation() != "cython":
+        assert proc.returncode == 2 and "build the extension first" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in ("base (HEAD)", "walk, chain_changes", "floor: + a StateChange per change", "base / this"):
+        assert text in proc.stdout, proc.stdout

@@ -61,16 +61,6 @@ cdef int grow(Out* o) noexcept nogil:
     return 0
 
 
-cdef void release(Out* o) noexcept nogil:
-    free(o.kg)
-    free(o.off)
-    free(o.len)
-    o.kg = NULL
-    o.off = NULL
-    o.len = NULL
-    o.cap = 0
-
-
 cdef struct Scan:
     int64_t end          # offset just after the change set
     int64_t groups
@@ -259,29 +249,42 @@ cdef class ChangeIterator:
     """The changes of one change set, built one at a time as they are asked for (`iter_change_set`).
 
     The change set is scanned (and every field checked) when the iterator is made, so errors come
-    first; each `next` then builds one `StateChange` from the held buffer, while it is still in the
-    cache. Holds an export of the logical stream until it is exhausted or closed.
+    first; each `next` then reads the next record straight from the held buffer (already checked:
+    no array of offsets is built) and makes one `StateChange`. Holds an export of the logical
+    stream until it is exhausted or closed.
     """
     cdef _Bytes b
-    cdef Out out
+    cdef const unsigned char* buf
+    cdef int64_t p          # the next record's length field, or the next group's header when left == 0
+    cdef int64_t left       # records left in the current (kept) group
+    cdef int32_t kg
+    cdef int lo, hi
     cdef int64_t i
     cdef readonly int64_t count
     cdef readonly int64_t end
 
-    def __cinit__(self):
-        self.out.kg = NULL
-        self.out.off = NULL
-        self.out.len = NULL
-        self.out.cap = 0
-
-    def __dealloc__(self):
-        release(&self.out)
-
     cdef inline StateChange _next(self):
-        cdef int64_t i = self.i
-        self.i = i + 1
-        return new_change(self.out.kg[i], PyBytes_FromStringAndSize(
-            <const char*>(self.b.buf + self.out.off[i]), self.out.len[i]))
+        """The next kept change; only called while i < count (so a kept record lies ahead)."""
+        cdef const unsigned char* buf = self.buf
+        cdef int64_t p = self.p, c, j
+        cdef int32_t kg, n
+        while self.left == 0:
+            c = rd32(buf + p)
+            kg = rd32(buf + p + 4)
+            p += 8
+            if kg == -1 or (self.lo <= kg and kg <= self.hi):
+                self.left = c
+                self.kg = kg
+            else:
+                for j in range(c):  # a group outside the range: skip its records
+                    p += 4 + rd32(buf + p)
+        self.p = p
+        n = rd32(buf + p)
+        data = PyBytes_FromStringAndSize(<const char*>(buf + p + 4), n)
+        self.p = p + 4 + n
+        self.left -= 1
+        self.i += 1
+        return new_change(self.kg, data)
 
     def __iter__(self):
         return self
@@ -299,8 +302,8 @@ cdef class ChangeIterator:
     def close(self):
         """Release the logical stream; the iterator is exhausted afterwards."""
         self.count = self.i = 0
+        self.buf = NULL
         self.b = None
-        release(&self.out)
 
 
 def iter_change_set(logical, offset=0, key_group_range=None):
@@ -313,13 +316,63 @@ def iter_change_set(logical, offset=0, key_group_range=None):
     lo, hi = _bounds(key_group_range)
     cdef Scan r
     with nogil:
-        scan(b.buf, b.length, pos, lo, hi, &r, &it.out, NULL)
+        scan(b.buf, b.length, pos, lo, hi, &r, NULL, NULL)
     if r.err:
         raise_error(&r)
     it.b = b
+    it.buf = b.buf
+    it.p = pos + 4
+    it.left = 0
+    it.lo = lo
+    it.hi = hi
     it.count = r.kept
     it.end = r.end
     return it
+
+
+@cython.final
+cdef class ChangeChain:
+    """`itertools.chain.from_iterable` over the `ChangeIterator`s that `entries` yields (a handle's
+    change sets, `chain_changes`): each change comes straight from the current change set, without a
+    second iterator call per change. Each exhausted change set is closed before the next is asked for.
+    """
+    cdef object entries     # the iterator of ChangeIterators; None once exhausted
+    cdef ChangeIterator cur
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        cdef ChangeIterator cur = self.cur
+        if cur is not None and cur.i < cur.count:
+            return cur._next()
+        return self._advance()
+
+    cdef _advance(self):
+        cdef ChangeIterator cur
+        while self.entries is not None:
+            if self.cur is not None:
+                self.cur.close()
+                self.cur = None
+            try:
+                item = next(self.entries)
+            except StopIteration:
+                self.entries = None
+                break
+            if type(item) is not ChangeIterator:
+                self.entries = None
+                raise TypeError(f"chain_changes: expected a ChangeIterator, got {type(item).__name__}")
+            cur = self.cur = <ChangeIterator>item
+            if cur.i < cur.count:
+                return cur._next()
+        raise StopIteration
+
+
+def chain_changes(entries):
+    """The changes of every `ChangeIterator` that `entries` yields, in order (one C iterator)."""
+    cdef ChangeChain chain = ChangeChain.__new__(ChangeChain)
+    chain.entries = iter(entries)
+    return chain
 
 
 def walk(logical):

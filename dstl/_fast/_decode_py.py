@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import struct
-from typing import List, NamedTuple, Tuple
+from typing import Iterator, List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -160,6 +160,20 @@ def iter_change_set(logical, offset: int = 0, key_group_range=None) -> ChangeIte
     just after it). Malformed input raises here, before the first change."""
     changes, end = decode_change_set(logical, offset, key_group_range)
     return ChangeIterator(changes, end)
+
+
+def chain_changes(entries) -> Iterator[StateChange]:
+    """The changes of every `ChangeIterator` that `entries` yields, in order (one iterator); each
+    exhausted one is closed before the next is asked for."""
+    return _chain(iter(entries))
+
+
+def _chain(entries) -> Iterator[StateChange]:
+    for item in entries:
+        if type(item) is not ChangeIterator:
+            raise TypeError(f"chain_changes: expected a ChangeIterator, got {type(item).__name__}")
+        yield from item
+        item.close()
 
 
 def decode_change_set_arrays(logical, offset: int = 0, key_group_range=None):

@@ -8,7 +8,6 @@ the storage until they have been idle for `download.local-cache.idle-timeout-ms`
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -310,8 +309,8 @@ class DownloadCache:
 class _HandleIterator:
     """Walks a handle's entries; keeps one file open while consecutive entries share it.
 
-    `iter()` hands out a C-level iterator: for objects, `itertools.chain` over one change iterator per
-    entry, each building its `StateChange`s one at a time (errors surface when the entry is reached).
+    `iter()` hands out a C-level iterator: for objects, `format.chain_changes` over one change iterator
+    per entry, each building its `StateChange`s one at a time (errors surface when the entry is reached).
     """
 
     def __init__(self, reader: "StateChangelogReader", handle, arrays: bool):
@@ -326,7 +325,7 @@ class _HandleIterator:
         self._source: Optional[_Source] = None
         self._current = None  # the change iterator of the entry being read (objects)
         self._gen = self._generate()
-        self._it = self._gen if arrays else itertools.chain.from_iterable(self._gen)
+        self._it = self._gen if arrays else _format().chain_changes(self._gen)
 
     def _source_for(self, stream: StreamStateHandle) -> _Source:
         if self._source is not None and self._source.path == stream.path:
