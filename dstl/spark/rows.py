@@ -20,6 +20,7 @@ Only pure Python, pandas (per subtask) and pyarrow here; the state side is dstl.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = ["InputRows", "OutputRows", "row_class"]
@@ -117,6 +118,40 @@ def _timestamps(series, tz: Optional[str]) -> List[Any]:
     return vals
 
 
+def _key_order(keys) -> Tuple[Optional[List[int]], List[int]]:
+    """(the row order that sorts `keys` stably, None when they already are; the start of each
+    distinct key's run in that order, plus the end). Keys are hashed into codes in sorted order
+    (pandas.factorize) and the int codes sorted, several times faster than sorting an object array
+    of strings; keys factorize cannot order as numpy does (nulls, mixed types) take numpy's sort."""
+    import numpy as np
+
+    n = len(keys)
+    codes = None
+    if keys.dtype.kind in "iub" or (keys.dtype.kind == "O" and _all_str(keys)):
+        import pandas as pd
+
+        codes, uniq = pd.factorize(keys, sort=True)
+        if len(codes) and codes.min() < 0:
+            codes = None
+    if codes is None:
+        order = np.argsort(keys, kind="stable")
+        skeys = keys[order]
+        cuts = (np.flatnonzero(skeys[1:] != skeys[:-1]) + 1).tolist() if n > 1 else []
+        bounds = [0] + cuts + [n]
+    else:
+        order = np.argsort(codes, kind="stable")
+        bounds = [0] + np.cumsum(np.bincount(codes, minlength=len(uniq))).tolist()
+    if n < 2 or (order[1:] > order[:-1]).all():
+        return None, bounds
+    return order.tolist(), bounds
+
+
+def _all_str(values) -> bool:
+    from pandas.api.types import infer_dtype
+
+    return infer_dtype(values, skipna=False) == "string"
+
+
 class InputRows:
     """One subtask's rows as per-key lists of Rows (see the module docstring).
 
@@ -124,8 +159,6 @@ class InputRows:
     time zone, for timestamps."""
 
     def __init__(self, pdf, key_col: str, schema: Any = None, tz: Optional[str] = None):
-        import numpy as np
-
         self.key_col = key_col
         n = len(pdf)
         if not n:
@@ -133,20 +166,22 @@ class InputRows:
             self._rows: List[Any] = []
             self._bounds: List[int] = [0]
             return
-        keys = pdf[key_col].to_numpy()
-        order = np.argsort(keys, kind="stable")
-        if not (order[1:] > order[:-1]).all():
-            pdf = pdf.take(order)
+        # Rows in arrival order first (column-wise values, one tuple copy per Row), then put in key
+        # order by one list gather: cheaper than reordering the frame (a pandas take per column)
         types = {f.name: f.dataType for f in schema.fields} if schema is not None else {}
         names = [str(c) for c in pdf.columns]
         cols = [_column_values(pdf.iloc[:, i], types.get(c), tz) for i, c in enumerate(names)]
         cls = row_class(tuple(names))
-        self._rows = list(map(functools.partial(tuple.__new__, cls), zip(*cols)))
-        skeys = pdf[key_col].to_numpy()
-        cuts = (np.flatnonzero(skeys[1:] != skeys[:-1]) + 1).tolist() if n > 1 else []
-        self._bounds = [0] + cuts + [n]
+        rows = list(map(tuple.__new__, itertools.repeat(cls, n), zip(*cols)))
+        order, bounds = _key_order(pdf[key_col].to_numpy())
         kvals = cols[names.index(key_col)]
-        self._keys = [kvals[i] for i in self._bounds[:-1]]
+        if order is not None:
+            rows = list(map(rows.__getitem__, order))
+            self._keys = [kvals[order[i]] for i in bounds[:-1]]
+        else:
+            self._keys = [kvals[i] for i in bounds[:-1]]
+        self._rows = rows
+        self._bounds = bounds
 
     def __len__(self) -> int:
         return len(self._rows)
