@@ -118,7 +118,7 @@ def _timestamps(series, tz: Optional[str]) -> List[Any]:
     return vals
 
 
-def _key_order(keys) -> Tuple[Optional[List[int]], List[int]]:
+def _key_order(keys) -> Tuple[Any, List[int]]:
     """(the row order that sorts `keys` stably, None when they already are; the start of each
     distinct key's run in that order, plus the end). Keys are hashed into codes in sorted order
     (pandas.factorize) and the int codes sorted, several times faster than sorting an object array
@@ -143,7 +143,7 @@ def _key_order(keys) -> Tuple[Optional[List[int]], List[int]]:
         bounds = [0] + np.cumsum(np.bincount(codes, minlength=len(uniq))).tolist()
     if n < 2 or (order[1:] > order[:-1]).all():
         return None, bounds
-    return order.tolist(), bounds
+    return order, bounds
 
 
 def _all_str(values) -> bool:
@@ -166,20 +166,18 @@ class InputRows:
             self._rows: List[Any] = []
             self._bounds: List[int] = [0]
             return
-        # Rows in arrival order first (column-wise values, one tuple copy per Row), then put in key
-        # order by one list gather: cheaper than reordering the frame (a pandas take per column)
+        # the frame put in key order first (keys grouped by int codes, see _key_order; a take of the
+        # frame is cheaper than gathering the Rows), then one tuple copy per Row, column-wise values
+        order, bounds = _key_order(pdf[key_col].to_numpy())
+        if order is not None:
+            pdf = pdf.take(order)
         types = {f.name: f.dataType for f in schema.fields} if schema is not None else {}
         names = [str(c) for c in pdf.columns]
         cols = [_column_values(pdf.iloc[:, i], types.get(c), tz) for i, c in enumerate(names)]
         cls = row_class(tuple(names))
         rows = list(map(tuple.__new__, itertools.repeat(cls, n), zip(*cols)))
-        order, bounds = _key_order(pdf[key_col].to_numpy())
         kvals = cols[names.index(key_col)]
-        if order is not None:
-            rows = list(map(rows.__getitem__, order))
-            self._keys = [kvals[order[i]] for i in bounds[:-1]]
-        else:
-            self._keys = [kvals[i] for i in bounds[:-1]]
+        self._keys = [kvals[i] for i in bounds[:-1]]
         self._rows = rows
         self._bounds = bounds
 
