@@ -106,16 +106,29 @@ def _timestamps(series, tz: Optional[str]) -> List[Any]:
         us = aware.cast(pa.timestamp("us", tz)).cast(pa.int64()).fill_null(0).to_numpy()
         zone, at = ZoneInfo(tz), _dt.datetime.fromtimestamp
         # exact: |us| < 2**53, and fromtimestamp rounds the float to the nearest microsecond
-        vals = [at(u / 1e6, zone) for u in us.tolist()]
+        vals = _per_distinct(us, lambda u: at(u / 1e6, zone))
     else:
         raw = series.to_numpy().astype("datetime64[us]").astype(np.int64)
         raw[null] = 0
         epoch, delta = _dt.datetime(1970, 1, 1), _dt.timedelta
-        vals = [epoch + delta(microseconds=u) for u in raw.tolist()]
+        vals = _per_distinct(raw, lambda u: epoch + delta(microseconds=u))
     if null.any():
         for i in np.flatnonzero(null).tolist():
             vals[i] = None
     return vals
+
+
+def _per_distinct(us, make) -> List[Any]:
+    """`make(u)` for every int in `us`, called once per distinct value when values repeat (at most
+    half are distinct), the result shared by the rows that carry it (datetimes are immutable): event
+    times repeat a lot within a batch, and building the datetime is most of the cost."""
+    import numpy as np
+
+    uniq, inverse = np.unique(us, return_inverse=True)
+    if 2 * len(uniq) > len(us):  # mostly distinct: the gather would cost more than it saves
+        return [make(u) for u in us.tolist()]
+    distinct = [make(u) for u in uniq.tolist()]
+    return list(map(distinct.__getitem__, inverse.reshape(-1).tolist()))
 
 
 def _key_order(keys) -> Tuple[Any, List[int]]:
