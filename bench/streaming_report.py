@@ -149,6 +149,8 @@ class Engine:
                         "restore_ms": r.restore_ms, "cache_hits": r.cache_hits, "stream_s": r.seconds,
                         "parallelism": self.stream.parallelism, "phases_ms": r.phases_ms,
                         "process_ms": [t.process_ms for t in r.reports],
+                        "snapshot_ms": [t.snapshot_ms for t in r.reports],
+                        "task_metrics": [json.loads(t.metrics or "{}") for t in r.reports],
                         "task_pids": [t.pid for t in r.reports]})
         return rec
 
@@ -230,17 +232,18 @@ def summarize(steady: Dict[str, List[dict]], restart: dict, events: int) -> dict
         warm = recs[1:] or recs
         med_ms = statistics.median(r["batch_ms"] for r in warm)
         row = {"median_batch_s": med_ms / 1000, "events_per_s": events / (med_ms / 1000),
-               "batch_s": [r["batch_ms"] / 1000 for r in recs],
-               "restore_batch_s": restart["restore"][name]["batch_ms"] / 1000,
-               "restore_start_to_done_s": restart["restore"][name]["start_to_done_s"],
-               "rescale_batch_s": restart["rescale"][name]["batch_ms"] / 1000}
-        if name.startswith("native"):
+               "batch_s": [r["batch_ms"] / 1000 for r in recs]}
+        if not name.startswith("native"):
+            row["phases_ms"] = phase_breakdown(warm)
+        if not restart:  # --steady-only
+            row["checkpoint_ms"] = [r.get("checkpoint_ms", r.get("state_commit_ms")) for r in recs]
+        elif name.startswith("native"):
             row["checkpoint_ms"] = [r["state_commit_ms"] for r in recs]
             row["offset_commit_ms"] = [r["offset_commit_ms"] for r in recs]
             row["rescale_state_partitions"] = restart["rescale"][name]["state_partitions"]
             row["rescale_offset_log_shuffle_partitions"] = restart["rescale"][name]["offset_log_shuffle_partitions"]
             row["restore_rocksdb_load_ms"] = restart["restore"][name]["rocksdb_load_ms"]
-        else:
+        elif restart:
             row["checkpoint_ms"] = [r["checkpoint_ms"] for r in recs]
             row["restore_ms"] = restart["restore"][name]["restore_ms"]
             row["restore_restored_subtasks"] = restart["restore"][name]["restored_subtasks"]
@@ -262,6 +265,49 @@ def summarize(steady: Dict[str, List[dict]], restart: dict, events: int) -> dict
             s[ours].setdefault("speedup", {})[native] = ratio
     s["_goals"] = goals
     return s
+
+
+#: the task's split of a Row API processor call (dstl.spark.processor.run_processor's metrics, in us)
+ROW_SPLIT = ("rows_in_us", "handlers_us", "rows_out_us")
+
+
+def phase_breakdown(recs: List[dict]) -> Dict[str, List[float]]:
+    """Where a dstl batch's time goes, per batch (ms): Spark's streaming work around foreachBatch
+    (`trigger_other`: listing the source, the offset and commit logs, the sink's bookkeeping), the
+    driver's own steps (`prepare`: the routing column and the plan; `commit`: checkpoint metadata and
+    sink), the Spark job (`job`), and inside it the slowest subtask's processor call, output staging
+    plus snapshot, and the rest of the job (`job_other`: reading the JSON file, the routing pandas
+    UDF, the broadcast and join, moving the rows into the Python workers and the reports back)."""
+    out: Dict[str, List[float]] = {}
+
+    def add(k, v):
+        out.setdefault(k, []).append(round(v, 1))
+
+    for r in recs:
+        ph = r["phases_ms"]
+        add("batch", r["batch_ms"])
+        add("trigger_other", r["batch_ms"] - r["stream_s"] * 1e3)
+        add("prepare", ph.get("prepare", 0.0))
+        add("job", ph.get("tasks", 0.0))
+        add("commit", ph.get("commit", 0.0))
+        task = [p + s for p, s in zip(r["process_ms"], r["snapshot_ms"])]
+        add("task_process_max", max(r["process_ms"]))
+        add("task_stage_snapshot_max", max(r["snapshot_ms"]))
+        add("job_other", ph.get("tasks", 0.0) - max(task))
+        for k in ROW_SPLIT:
+            vals = [m[k] / 1e3 for m in r.get("task_metrics", []) if k in m]
+            if vals:
+                add(k[:-3] + "_max", max(vals))
+    return out
+
+
+def print_phases(summary: dict) -> None:
+    for name in ENGINES:
+        ph = summary.get(name, {}).get("phases_ms")
+        if not ph:
+            continue
+        cells = [f"{k} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" for k, v in ph.items()]
+        print(f"{name} ms, median (min-max): " + ", ".join(cells))
 
 
 def chart(summary: dict, path: str, title: str) -> None:
@@ -313,6 +359,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--work", help="working directory (default: a temporary one, deleted)")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
+    ap.add_argument("--steady-only", action="store_true",
+                    help="skip the restart phase; print the batches' phase breakdown (no chart, no JSON "
+                         "unless --out is given)")
     ap.add_argument("--restart-phase", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     names = [n.strip() for n in opts.engines.split(",") if n.strip()]
@@ -334,6 +383,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         load_before = _loadavg()
         steady = steady_phase(work, batches[:opts.batches], opts.parallelism, names)
         load_steady = _loadavg()
+        if opts.steady_only:
+            ok = verify(work, batches[:opts.batches], names)
+            summary = summarize(steady, {}, opts.events)
+            report = {"setup": {"events_per_batch": opts.events, "keys": opts.keys, "batches": opts.batches,
+                                "loadavg": {"before": load_before, "after_steady": load_steady}},
+                      "summary": summary, "outputs_match_pandas": ok, "steady": steady}
+            if "--out" in (argv if argv is not None else sys.argv):
+                os.makedirs(opts.out, exist_ok=True)
+                with open(os.path.join(opts.out, "streaming_steady.json"), "w") as f:
+                    json.dump(report, f, indent=1, default=str)
+            print(f"load: before {load_before}, after {load_steady}; outputs = pandas: {ok}")
+            for g in summary["_goals"]:
+                print(f"{g['engine']} vs {g['vs']}: {g['ratio']:.1f}x")
+            for n in names:
+                print(f"{n}: median batch {summary[n]['median_batch_s']:.2f} s, batches "
+                      + " ".join(f"{x:.2f}" for x in summary[n]["batch_s"]))
+            print_phases(summary)
+            return 0 if all(ok.values()) else 1
         print("restart (a new driver process): restore, then rescale", flush=True)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--restart-phase", "--work", work,
                         "--events", str(opts.events), "--keys", str(opts.keys), "--batches", str(opts.batches),
@@ -363,6 +430,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{opts.events:,} events/batch, {opts.keys:,} keys, local[2], parallelism {opts.parallelism}; "
           f"shared 2-core machine")
     print_table(report)
+    print_phases(summary)
     return 0 if all(ok.values()) else 1
 
 

@@ -20,6 +20,7 @@ Only pure Python, pandas (per subtask) and pyarrow here; the state side is dstl.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = ["InputRows", "OutputRows", "row_class"]
@@ -105,16 +106,63 @@ def _timestamps(series, tz: Optional[str]) -> List[Any]:
         us = aware.cast(pa.timestamp("us", tz)).cast(pa.int64()).fill_null(0).to_numpy()
         zone, at = ZoneInfo(tz), _dt.datetime.fromtimestamp
         # exact: |us| < 2**53, and fromtimestamp rounds the float to the nearest microsecond
-        vals = [at(u / 1e6, zone) for u in us.tolist()]
+        vals = _per_distinct(us, lambda u: at(u / 1e6, zone))
     else:
         raw = series.to_numpy().astype("datetime64[us]").astype(np.int64)
         raw[null] = 0
         epoch, delta = _dt.datetime(1970, 1, 1), _dt.timedelta
-        vals = [epoch + delta(microseconds=u) for u in raw.tolist()]
+        vals = _per_distinct(raw, lambda u: epoch + delta(microseconds=u))
     if null.any():
         for i in np.flatnonzero(null).tolist():
             vals[i] = None
     return vals
+
+
+def _per_distinct(us, make) -> List[Any]:
+    """`make(u)` for every int in `us`, called once per distinct value when values repeat (at most
+    half are distinct), the result shared by the rows that carry it (datetimes are immutable): event
+    times repeat a lot within a batch, and building the datetime is most of the cost."""
+    import numpy as np
+
+    uniq, inverse = np.unique(us, return_inverse=True)
+    if 2 * len(uniq) > len(us):  # mostly distinct: the gather would cost more than it saves
+        return [make(u) for u in us.tolist()]
+    distinct = [make(u) for u in uniq.tolist()]
+    return list(map(distinct.__getitem__, inverse.reshape(-1).tolist()))
+
+
+def _key_order(keys) -> Tuple[Any, List[int]]:
+    """(the row order that sorts `keys` stably, None when they already are; the start of each
+    distinct key's run in that order, plus the end). Keys are hashed into codes in sorted order
+    (pandas.factorize) and the int codes sorted, several times faster than sorting an object array
+    of strings; keys factorize cannot order as numpy does (nulls, mixed types) take numpy's sort."""
+    import numpy as np
+
+    n = len(keys)
+    codes = None
+    if keys.dtype.kind in "iub" or (keys.dtype.kind == "O" and _all_str(keys)):
+        import pandas as pd
+
+        codes, uniq = pd.factorize(keys, sort=True)
+        if len(codes) and codes.min() < 0:
+            codes = None
+    if codes is None:
+        order = np.argsort(keys, kind="stable")
+        skeys = keys[order]
+        cuts = (np.flatnonzero(skeys[1:] != skeys[:-1]) + 1).tolist() if n > 1 else []
+        bounds = [0] + cuts + [n]
+    else:
+        order = np.argsort(codes, kind="stable")
+        bounds = [0] + np.cumsum(np.bincount(codes, minlength=len(uniq))).tolist()
+    if n < 2 or (order[1:] > order[:-1]).all():
+        return None, bounds
+    return order, bounds
+
+
+def _all_str(values) -> bool:
+    from pandas.api.types import infer_dtype
+
+    return infer_dtype(values, skipna=False) == "string"
 
 
 class InputRows:
@@ -124,8 +172,6 @@ class InputRows:
     time zone, for timestamps."""
 
     def __init__(self, pdf, key_col: str, schema: Any = None, tz: Optional[str] = None):
-        import numpy as np
-
         self.key_col = key_col
         n = len(pdf)
         if not n:
@@ -133,20 +179,20 @@ class InputRows:
             self._rows: List[Any] = []
             self._bounds: List[int] = [0]
             return
-        keys = pdf[key_col].to_numpy()
-        order = np.argsort(keys, kind="stable")
-        if not (order[1:] > order[:-1]).all():
+        # the frame put in key order first (keys grouped by int codes, see _key_order; a take of the
+        # frame is cheaper than gathering the Rows), then one tuple copy per Row, column-wise values
+        order, bounds = _key_order(pdf[key_col].to_numpy())
+        if order is not None:
             pdf = pdf.take(order)
         types = {f.name: f.dataType for f in schema.fields} if schema is not None else {}
         names = [str(c) for c in pdf.columns]
         cols = [_column_values(pdf.iloc[:, i], types.get(c), tz) for i, c in enumerate(names)]
         cls = row_class(tuple(names))
-        self._rows = list(map(functools.partial(tuple.__new__, cls), zip(*cols)))
-        skeys = pdf[key_col].to_numpy()
-        cuts = (np.flatnonzero(skeys[1:] != skeys[:-1]) + 1).tolist() if n > 1 else []
-        self._bounds = [0] + cuts + [n]
+        rows = list(map(tuple.__new__, itertools.repeat(cls, n), zip(*cols)))
         kvals = cols[names.index(key_col)]
-        self._keys = [kvals[i] for i in self._bounds[:-1]]
+        self._keys = [kvals[i] for i in bounds[:-1]]
+        self._rows = rows
+        self._bounds = bounds
 
     def __len__(self) -> int:
         return len(self._rows)
