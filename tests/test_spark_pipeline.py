@@ -275,7 +275,8 @@ def test_local_cluster_against_s3(s3_bucket, tmp_path):
     base = f"{s3_bucket}/cluster"
     argv = [sys.executable, "-m", "dstl", "pipeline", "--quiet", "--events", "4000", "--batches", "3",
             "--users", "200", "--items", "40", "--base-path", base, "--master", "local-cluster[2,1,1024]",
-            "--verify"]
+            # a loaded 2-core machine answers S3 slower than the default 1 s (3 attempts timed out in CI)
+            "--storage-option", "upload.timeout=10s", "--verify"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     proc = subprocess.Popen(argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
