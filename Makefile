@@ -75,6 +75,6 @@ SPARK35_TESTS ?= tests/test_spark_placement.py tests/test_local_restore.py tests
 test-spark35: build
 	test -x $(PY35) || $(PYTHON) -m venv $(VENV35)
 	$(PY35) -m pip install -q -U pip setuptools wheel
-	$(PY35) -m pip install -q ".[test]" "pyspark>=3.5,<3.6" "numpy>=1.24,<2"
+	$(PY35) -m pip install -q ".[test]" "pyspark>=3.5,<3.6" "numpy>=1.24,<2" "pyarrow>=14,<22"
 	$(PY35) -c "import pyspark; assert pyspark.__version__.startswith('3.5.'), pyspark.__version__; print('pyspark', pyspark.__version__)"
 	$(PY35) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(SPARK35_TESTS)
