@@ -62,6 +62,8 @@ class FsStateChangelogStorage:
         #: where restores look for local copies first (None: local recovery off)
         self.local_copies = (LocalCopies(job_id, directory=local_recovery_dir, root=local_recovery_root)
                              if local_recovery_dir or local_recovery_root else None)
+        if local_recovery_root:
+            _sweep_dead_owners(local_recovery_root)
         self.metric_group = ChangelogStorageMetricGroup()
         self._lock = threading.Lock()
         self._next_log = 0
@@ -205,6 +207,26 @@ class FsStateChangelogStorage:
     def __repr__(self) -> str:
         return (f"FsStateChangelogStorage({self.config.base_path!r}, job_id={self.job_id}, "
                 f"mode={self.config.upload_mode}, closed={self._closed})")
+
+
+_swept_roots: Dict[str, int] = {}  # root -> pid that swept it (once per process)
+
+
+def _sweep_dead_owners(root: str) -> None:
+    """Remove the owner directories below a local-recovery root whose process died (a lost
+    executor's Python workers), by the pid in their name: the download caches' sweep."""
+    import os
+
+    if _swept_roots.get(root) == os.getpid():
+        return
+    _swept_roots[root] = os.getpid()
+    from dstl.changelog.local_recovery import OWNER_PREFIX
+    from dstl.changelog.upload.service.runtime import sweep_download_caches
+
+    try:
+        sweep_download_caches(root, OWNER_PREFIX)
+    except OSError as exc:
+        log.warning("could not sweep the local-recovery directory %s: %s", root, exc)
 
 
 def open_storage(base_path: str, *, job_id: Optional[str] = None, local_recovery_dir: Optional[str] = None,

@@ -145,19 +145,17 @@ _local: Dict[str, Any] = {"pid": None, "root": None, "owner": None}
 
 def local_recovery_dirs() -> Tuple[Optional[str], Optional[str]]:
     """(host root, this process's owner directory) for local recovery, set up once per process:
-    the root is ``$DSTL_LOCAL_RECOVERY_DIR`` (default: per user under the temp dir, 0700), and the
-    copies of owners that died (a lost executor's Python workers) are swept first. (None, None)
-    when it is off or the directory cannot be used (local recovery only saves time)."""
+    the root is ``$DSTL_LOCAL_RECOVERY_DIR`` (default: per user under the temp dir, 0700); the
+    storage opened with it sweeps the copies of owners that died. (None, None) when it is off or
+    the directory cannot be used (local recovery only saves time)."""
     if _local["pid"] != os.getpid():  # also after a fork
         from dstl.changelog import local_recovery as lr
-        from dstl.changelog.upload.service.runtime import sweep_download_caches
 
         _local.update(pid=os.getpid(), root=None, owner=None)
         root = lr.configured_root()
         if root is not None:
             try:
                 lr.ensure_root(root)
-                sweep_download_caches(root, lr.OWNER_PREFIX)
                 _local.update(root=root, owner=lr.new_owner_dir(root))
             except OSError as exc:
                 log.warning("local recovery is off in this worker: %s", exc)
