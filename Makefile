@@ -62,3 +62,19 @@ soak: build
 
 clean:
 	rm -rf build dist dstl/_fast/*.c dstl/_fast/*.so
+
+# PySpark 3.5 (outside `make test`): a venv of its own with the latest pyspark 3.5.x (NumPy < 2, the
+# range PySpark 3.5 supports) and this checkout installed with its test extra; the tests run from
+# the checkout, with the extension `make build` compiled. The StatefulProcessor parts skip with a
+# reason (transformWithState is Spark 4's). docs/spark.md, "Spark 3.5".
+VENV35 ?= .venv-spark35
+PY35 := $(VENV35)/bin/python
+SPARK35_TESTS ?= tests/test_spark_placement.py::test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker \
+	tests/test_local_restore.py tests/test_stream.py tests/test_spark_units.py tests/test_spark_pipeline.py
+.PHONY: test-spark35
+test-spark35: build
+	test -x $(PY35) || $(PYTHON) -m venv $(VENV35)
+	$(PY35) -m pip install -q -U pip setuptools wheel
+	$(PY35) -m pip install -q ".[test]" "pyspark>=3.5,<3.6" "numpy>=1.24,<2" "pyarrow>=14,<22"
+	$(PY35) -c "import pyspark; assert pyspark.__version__.startswith('3.5.'), pyspark.__version__; print('pyspark', pyspark.__version__)"
+	$(PY35) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(SPARK35_TESTS)

@@ -15,7 +15,10 @@ import numpy as np
 import pandas as pd
 from pyspark import cloudpickle
 from pyspark.sql import Row
-from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
+try:
+    from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
+except ImportError:  # PySpark 3.5 has no transformWithState API: only count_fn is usable there
+    StatefulProcessor, StatefulProcessorHandle = object, None
 
 # Spark's Python workers cannot import tests/: ship these classes inside the pickled function
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -79,6 +79,16 @@ def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(
     # one INFO line per batch, naming each subtask's executor
     lines = [ln for ln in out.splitlines() if "dstl.spark.placement INFO batch" in ln]
     assert len(lines) == 4 and all("0@driver:" in ln for ln in lines)
+    # local recovery: a subtask that lands in another Python worker of this host reads the files the
+    # other worker wrote from their local copies, not from the base path. Before the kill every
+    # worker is alive, so batch 1's restores read every file locally; later ones may find a copy
+    # of the killed worker swept (then "local+dfs" or "dfs", still exact)
+    restores = [(r["batch"], rep) for r in results[1:] for rep in r["reports"]
+                if rep["restored"] and rep["attempt"] == 0]
+    assert restores, "no subtask moved to another Python worker: nothing to check"
+    assert all(rep["restore_source"] == "local" for b, rep in restores if b == 1), restores
+    assert any(rep["restore_source"].startswith("local") for _, rep in restores), restores
+    assert any("restored from local" in ln for ln in lines)
     _check_exact(base, 4)
     # `dstl state ls` shows the figures the checkpoints recorded
     capsys.readouterr()

@@ -11,7 +11,9 @@ import pytest
 pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
-from pyspark.sql.streaming.stateful_processor import StatefulProcessor  # noqa: E402
+StatefulProcessor = pytest.importorskip(  # noqa: E402
+    "pyspark.sql.streaming.stateful_processor",
+    reason="StatefulProcessor needs PySpark 4 (its transformWithState API)").StatefulProcessor
 
 from dstl.spark import StatefulStream  # noqa: E402
 from dstl.spark import faults  # noqa: E402

@@ -391,13 +391,53 @@ class _HandleIterator:
             pass
 
 
-class StateChangelogReader:
-    """Reads persisted changes back; `cache` (one per storage) serves non-local files."""
+def _open_copy(stream: StreamStateHandle, path: str) -> Optional[_Source]:
+    """`stream`'s logical stream read from its local copy at `path`, or None when the copy is unusable:
+    gone, unreadable, not decoding (a compressed file has every CRC or checksum checked here) or not
+    of the handle's logical length. The source keeps the handle's path (errors name the file)."""
+    mapped = logical = None
+    try:
+        with open(path, "rb") as f:
+            mapped = _map_file(f)
+        logical = _format().to_logical(mapped, stream.path)
+        n = logical.nbytes if isinstance(logical, memoryview) else len(logical)
+        if n != stream.size:
+            raise ValueError(f"{n} logical bytes, the handle says {stream.size}")
+    except Exception as exc:  # noqa: BLE001 - any problem with a copy means: read the base path
+        log.warning("local copy %s of %s is unusable (%s); reading the base path", path, stream.path, exc)
+        if isinstance(logical, memoryview):
+            logical.release()
+        _close_map(mapped)
+        return None
+    if not (isinstance(logical, memoryview) and logical.obj is mapped):
+        _close_map(mapped)
+        mapped = None
+    return _Source(stream.path, logical, mapped)
 
-    def __init__(self, cache: Optional[DownloadCache] = None):
+
+class StateChangelogReader:
+    """Reads persisted changes back; `cache` (one per storage) serves non-local files; `local`
+    (a `dstl.changelog.local_recovery.LocalCopies`) lets a file be read from this host's local-recovery
+    copy when there is a good one, file by file (docs/spark.md, "Local recovery")."""
+
+    def __init__(self, cache: Optional[DownloadCache] = None, local: Any = None):
         self.cache = cache
+        self.local = local
+        self._local_index: Optional[Dict[str, str]] = None  # listed once, at this reader's first open
 
     def _open(self, stream: StreamStateHandle) -> _Source:
+        if self.local is not None and self.local.enabled:
+            if self._local_index is None:
+                self._local_index = self.local.index()
+            name = os.path.basename(stream.path.rstrip("/"))
+            path = self._local_index.get(name)
+            source = _open_copy(stream, path) if path is not None and path != stream.path else None
+            if source is not None:
+                self.local.hits += 1
+                self.local.read.append(name)
+                return source
+            self.local.misses += 1
+            self.local.rejected += path is not None and path != stream.path
         if self.cache is not None and self.cache.applies_to(stream):
             return self.cache.open(stream)
         return _open_direct(stream)

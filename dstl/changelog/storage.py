@@ -26,14 +26,17 @@ class FsStateChangelogStorage:
 
     `config` is a mapping of option keys (`dstl.dfs.*` or `state.changelog.dstl.dfs.*`) or a
     `StorageConfig`. `job_id` (32 lowercase hex digits) names the job directory; default: random.
-    `local_recovery_dir` enables local recovery: every file is also written below it.
+    `local_recovery_dir` enables local recovery: every file is also written below it, and readers
+    read a file from its copy there when the copy is good (else from the base path).
+    `local_recovery_root` (the host's shared root, dstl.changelog.local_recovery) lets readers also
+    use the copies other processes of this host wrote below it.
 
     Writers get log ids `UUID(0, n)` with n counting per storage, as Flink does; the log id never
     appears in a file, it only orders change sets inside one upload task.
     """
 
     def __init__(self, config: Union[Mapping[str, Any], StorageConfig], *, job_id: Optional[str] = None,
-                 local_recovery_dir: Optional[str] = None):
+                 local_recovery_dir: Optional[str] = None, local_recovery_root: Optional[str] = None):
         from dstl.metrics import ChangelogStorageMetricGroup
         from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 
@@ -54,6 +57,13 @@ class FsStateChangelogStorage:
             raise ValueError(f"job_id must be 32 lowercase hex digits, got {job_id!r}")
         self.job_id = job_id
         self.local_recovery_dir = local_recovery_dir
+        from dstl.changelog.local_recovery import LocalCopies
+
+        #: where restores look for local copies first (None: local recovery off)
+        self.local_copies = (LocalCopies(job_id, directory=local_recovery_dir, root=local_recovery_root)
+                             if local_recovery_dir or local_recovery_root else None)
+        if local_recovery_root:
+            _sweep_dead_owners(local_recovery_root)
         self.metric_group = ChangelogStorageMetricGroup()
         self._lock = threading.Lock()
         self._next_log = 0
@@ -87,8 +97,12 @@ class FsStateChangelogStorage:
                     self.config, self.uploader, self.metric_group)
         else:  # StorageConfig validates the mode; this guards a hand-built config
             raise ValueError(f"unknown dstl.dfs.upload.mode {mode!r} (process, thread or direct)")
+        # With a host-shared root, copies serve every process of the host, and which are still
+        # needed is decided by the checkpoints that read them (dstl.spark.keyed prunes by reference):
+        # this storage-wide registry would delete, at one writer's confirm, copies that another
+        # subtask's or process's checkpoint still reads.
         self.local_registry = (LocalChangelogRegistry(self.config.discard_num_threads)
-                               if local_recovery_dir else LocalChangelogRegistry.NO_OP)
+                               if local_recovery_dir and not local_recovery_root else LocalChangelogRegistry.NO_OP)
         sched = self.scheduler
         self.metric_group.register_gauge("uploadQueueSize", lambda: int(sched.queue_size()))
         self.metric_group.register_gauge("inFlightBytes", lambda: int(sched.in_flight_bytes()))
@@ -130,7 +144,7 @@ class FsStateChangelogStorage:
             if self._cache is None:
                 self._cache = DownloadCache(self.config.cache_idle_timeout_ms)
             cache = self._cache
-        return StateChangelogReader(cache)
+        return StateChangelogReader(cache, self.local_copies)
 
     def get_availability_provider(self):
         """Back-pressure signal of the upload scheduler (always available in direct mode)."""
@@ -195,14 +209,35 @@ class FsStateChangelogStorage:
                 f"mode={self.config.upload_mode}, closed={self._closed})")
 
 
+_swept_roots: Dict[str, int] = {}  # root -> pid that swept it (once per process)
+
+
+def _sweep_dead_owners(root: str) -> None:
+    """Remove the owner directories below a local-recovery root whose process died (a lost
+    executor's Python workers), by the pid in their name: the download caches' sweep."""
+    import os
+
+    if _swept_roots.get(root) == os.getpid():
+        return
+    _swept_roots[root] = os.getpid()
+    from dstl.changelog.local_recovery import OWNER_PREFIX
+    from dstl.changelog.upload.service.runtime import sweep_download_caches
+
+    try:
+        sweep_download_caches(root, OWNER_PREFIX)
+    except OSError as exc:
+        log.warning("could not sweep the local-recovery directory %s: %s", root, exc)
+
+
 def open_storage(base_path: str, *, job_id: Optional[str] = None, local_recovery_dir: Optional[str] = None,
-                 **options: Any) -> FsStateChangelogStorage:
+                 local_recovery_root: Optional[str] = None, **options: Any) -> FsStateChangelogStorage:
     """Short form: `open_storage("s3://bucket/cl", batch_persist_delay="10 ms", upload_mode="direct")`.
 
     Option names are the key suffixes with '.' and '-' written as '_'.
     """
     config = StorageConfig.from_options(base_path, **options)
-    return FsStateChangelogStorage(config, job_id=job_id, local_recovery_dir=local_recovery_dir)
+    return FsStateChangelogStorage(config, job_id=job_id, local_recovery_dir=local_recovery_dir,
+                                   local_recovery_root=local_recovery_root)
 
 
 __all__ = ["FsStateChangelogStorage", "open_storage"]

@@ -22,8 +22,10 @@ def _fields(schema: Any):
         return None
     from pyspark.sql.types import StructType
 
+    from dstl.spark.session import struct_from_ddl
+
     if isinstance(schema, str):
-        schema = StructType.fromDDL(schema)
+        schema = struct_from_ddl(schema)
     if not isinstance(schema, StructType):
         raise TypeError(f"schema must be a DDL string or a StructType, got {type(schema).__name__}")
     return [f.name for f in schema.fields]

@@ -139,15 +139,41 @@ _storages_lock = threading.Lock()
 _storages: Dict[Tuple[str, Tuple[Tuple[str, Any], ...]], Any] = {}
 
 
+#: this process's local recovery: (pid it was set up in, host root, own owner directory)
+_local: Dict[str, Any] = {"pid": None, "root": None, "owner": None}
+
+
+def local_recovery_dirs() -> Tuple[Optional[str], Optional[str]]:
+    """(host root, this process's owner directory) for local recovery, set up once per process:
+    the root is ``$DSTL_LOCAL_RECOVERY_DIR`` (default: per user under the temp dir, 0700); the
+    storage opened with it sweeps the copies of owners that died. (None, None) when it is off or
+    the directory cannot be used (local recovery only saves time)."""
+    if _local["pid"] != os.getpid():  # also after a fork
+        from dstl.changelog import local_recovery as lr
+
+        _local.update(pid=os.getpid(), root=None, owner=None)
+        root = lr.configured_root()
+        if root is not None:
+            try:
+                lr.ensure_root(root)
+                _local.update(root=root, owner=lr.new_owner_dir(root))
+            except OSError as exc:
+                log.warning("local recovery is off in this worker: %s", exc)
+    return _local["root"], _local["owner"]
+
+
 def storage_for(job_id: str, options: Mapping[str, Any]):
-    """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open."""
+    """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open, with
+    local recovery into this process's owner directory (`local_recovery_dirs`)."""
     from dstl.changelog.storage import FsStateChangelogStorage
 
     key = (job_id, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _storages_lock:
         storage = _storages.get(key)
         if storage is None or storage.closed or storage.broken:  # broken: its upload service died
-            storage = FsStateChangelogStorage(dict(options), job_id=job_id)
+            root, owner = local_recovery_dirs()
+            storage = FsStateChangelogStorage(dict(options), job_id=job_id, local_recovery_dir=owner,
+                                              local_recovery_root=root)
             _storages[key] = storage
         return storage
 
@@ -163,6 +189,12 @@ def shutdown() -> None:
             storage.close()
         except Exception:
             log.warning("closing a changelog storage failed", exc_info=True)
+    owner = _local["owner"] if _local["pid"] == os.getpid() else None
+    if owner is not None:  # nobody restores from a finished worker's copies: remove them now
+        import shutil
+
+        shutil.rmtree(owner, ignore_errors=True)
+        _local.update(pid=None, root=None, owner=None)
 
 
 atexit.register(shutdown)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from dstl.spark.session import (ANCHOR_COL, FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV,  # noqa: F401
-                                ensure_importable_on_workers)
+                                ensure_importable_on_workers, struct_from_ddl)
 
 KG_COL = "_dstl_kg"
 SUBTASK_COL = "_dstl_subtask"
@@ -243,22 +243,103 @@ def subtask_state_to_snapshot(state, max_parallelism: Optional[int] = None):
 
 def open_backend(storage, plan: CheckpointPlan, subtask: int):
     """A fresh backend (no checkpoint yet) or one restored from the plan's completed checkpoint."""
+    return restore_backend(storage, plan, subtask)[0]
+
+
+def restore_backend(storage, plan: CheckpointPlan, subtask: int):
+    """`(backend, source, files)`: `open_backend`'s backend, where its files were read ("local",
+    "local+dfs" or "dfs"; "new" without a checkpoint) and the names of the files it restored from."""
     from dstl.keygroups import compute_key_group_range_for_operator_index
 
     KeyedStateBackend, _ = _state_api()
     kgr = compute_key_group_range_for_operator_index(plan.max_parallelism, plan.parallelism, subtask)
     if plan.restore_checkpoint_id is None:
-        return KeyedStateBackend(storage, plan.operator_id, kgr, plan.max_parallelism, **plan.backend_options)
+        backend = KeyedStateBackend(storage, plan.operator_id, kgr, plan.max_parallelism, **plan.backend_options)
+        return backend, "new", []
+    from dstl.changelog.local_recovery import file_names
     from dstl.state.metadata import read_checkpoint
 
     meta = read_checkpoint(plan.base_path, plan.restore_checkpoint_id)
     if meta.max_parallelism != plan.max_parallelism:
         raise ValueError(f"checkpoint {meta.checkpoint_id} has max parallelism {meta.max_parallelism}, "
                          f"the job asks for {plan.max_parallelism}; it cannot change (docs/rescaling.md §1)")
-    old = [subtask_state_to_snapshot(s, meta.max_parallelism) for s in meta.subtasks
+    snaps = [subtask_state_to_snapshot(s, meta.max_parallelism) for s in meta.subtasks]
+    if getattr(storage, "local_copies", None) is not None:  # other subtasks restoring here need the rest
+        _CHECKPOINT_FILES[plan.job_id] = (meta.checkpoint_id, set(file_names(snaps)))
+    old = [snap for s, snap in zip(meta.subtasks, snaps)
            if max(s.key_group_range.start, kgr.start) <= min(s.key_group_range.end, kgr.end)]
-    return KeyedStateBackend.restore(storage, plan.operator_id, kgr, plan.max_parallelism, old,
-                                     **plan.backend_options)
+    backend, source = restore_preferring_local(
+        storage, lambda: KeyedStateBackend.restore(storage, plan.operator_id, kgr, plan.max_parallelism, old,
+                                                   **plan.backend_options))
+    return backend, source, file_names(old)
+
+
+def restore_preferring_local(storage, restore: Callable[[], Any]) -> Tuple[Any, str]:
+    """`(restore(), source)`: the restore reads each file from this host's local copy when it has a
+    good one (dstl.changelog.local_recovery). A copy that passed the length check but fails to
+    decode (raw files carry no checksum, only their structure is checked) is deleted and the whole
+    restore runs again from the base path, so a bad copy costs time, never a wrong state."""
+    from dstl.errors import CorruptChangelogError
+
+    copies = getattr(storage, "local_copies", None)
+    if copies is None:
+        return restore(), "dfs"
+    from dstl.changelog.local_recovery import source_of
+
+    copies.read.clear()
+    before = copies.counters()
+    try:
+        return restore(), source_of(before, copies.counters())
+    except CorruptChangelogError as exc:
+        if copies.hits == before["hits"]:
+            raise  # nothing came from a copy: the base path's file itself is bad
+        import logging
+
+        suspects = list(copies.read)
+        logging.getLogger(__name__).warning(
+            "restore from this host's local copies failed (%s): deleting the %d copies it read and "
+            "restoring from the base path", exc, len(suspects))
+        copies.discard(suspects)
+    copies.enabled = False
+    try:
+        return restore(), "dfs"
+    finally:
+        copies.enabled = True
+
+
+#: local recovery in this worker: per cache key, the files of its latest snapshot(s) (kept while the
+#: key is cached), and per job the files of the checkpoint the last restore here read
+_KEY_FILES: Dict[Tuple, set] = {}
+_LAST_FILES: Dict[Tuple, set] = {}
+_CHECKPOINT_FILES: Dict[str, Tuple[int, set]] = {}
+
+
+def _prune_local_copies(storage, plan: CheckpointPlan, key: Tuple, completed_files) -> None:
+    """Delete this worker's local copies no checkpoint it still serves references (Flink removes a
+    subsumed checkpoint's local state): kept are the files of the completed and the pending snapshot
+    of every subtask this worker holds, and those of the latest completed checkpoint a restore here
+    read (other subtasks restoring from it on this host need them)."""
+    from dstl.changelog.local_recovery import prune
+    from dstl.spark.cache import CACHE
+
+    owner = getattr(storage, "local_recovery_dir", None)
+    if getattr(storage, "local_copies", None) is None or not owner or plan.restore_checkpoint_id is None:
+        return
+    _KEY_FILES[key] = set(completed_files)
+    live = set(CACHE.checkpoints()) | {key}
+    for k in [k for k in _KEY_FILES if k not in live]:
+        _KEY_FILES.pop(k, None)
+        _LAST_FILES.pop(k, None)
+    keep: set = set()
+    for k, files in _KEY_FILES.items():
+        if k[0] == plan.job_id:
+            keep |= files
+    ckpt = _CHECKPOINT_FILES.get(plan.job_id)
+    if ckpt is not None and ckpt[0] < plan.restore_checkpoint_id:  # subsumed
+        del _CHECKPOINT_FILES[plan.job_id]
+    elif ckpt is not None:
+        keep |= ckpt[1]
+    prune(owner, plan.job_id, keep)
 
 
 def _state_size(snapshot) -> int:
@@ -315,9 +396,10 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
         CACHE._close_stale(CacheEntry(backend, plan.restore_checkpoint_id, want_token), None)
         backend = None
     from_memory = backend is not None
-    source = "dfs"
     if backend is None:
-        backend = open_backend(storage, plan, subtask)
+        backend, source, completed_files = restore_backend(storage, plan, subtask)
+    else:
+        source, completed_files = "memory", _LAST_FILES.get(key, ())
     # restored: really rebuilt from a checkpoint's changelog (a fresh job's first batch is not)
     restored = not from_memory and plan.restore_checkpoint_id is not None
     t1 = time.perf_counter()
@@ -326,6 +408,7 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
         if from_memory:
             # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
             backend.confirm(plan.restore_checkpoint_id)
+        _prune_local_copies(storage, plan, key, completed_files)
         _fault_mid_batch(plan, fn, rows, backend, subtask)
         _TASK["subtask"], _TASK["metrics"] = subtask, {}
         try:
@@ -345,13 +428,18 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
             pass
         raise
     CACHE.put(key, backend, plan.checkpoint_id, token)
+    if getattr(storage, "local_copies", None) is not None:  # completed + pending: either may be restored
+        from dstl.changelog.local_recovery import file_names
+
+        _LAST_FILES[key] = set(file_names([snapshot]))
+        _KEY_FILES[key] = _KEY_FILES.get(key, set()) | _LAST_FILES[key]
     return dict(subtask=subtask, attempt=attempt, token=token, snapshot=payload, staged=staged,
                 rows_in=len(rows), rows_out=rows_out, restored=restored,
                 restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t1) * 1e3,
                 snapshot_ms=(t3 - t2) * 1e3, state_size=_state_size(snapshot), pid=os.getpid(),
                 host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses,
                 metrics=json.dumps(_TASK["metrics"]), continued=from_memory, executor=executor_id(),
-                restore_source="memory" if from_memory else (source if restored else "new"))
+                restore_source=source if restored or from_memory else "new")
 
 
 def _quiet_expected_warnings() -> None:
@@ -435,10 +523,9 @@ def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequen
 
 def _arrow_output_schema(schema):
     from pyspark.sql.pandas.types import to_arrow_schema
-    from pyspark.sql.types import StructType
 
     if isinstance(schema, str):
-        schema = StructType.fromDDL(schema)
+        schema = struct_from_ddl(schema)
     return to_arrow_schema(schema)
 
 
@@ -472,7 +559,7 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
     if events_schema is None:  # from the pandas dtypes
         events_schema = from_arrow_schema(pa.Schema.from_pandas(pdf, preserve_index=False))
     elif isinstance(events_schema, str):
-        events_schema = StructType.fromDDL(events_schema)
+        events_schema = struct_from_ddl(events_schema)
     if order_by:
         pdf = pdf.sort_values(list(order_by), kind="stable", ignore_index=True)
     subtasks = operator_indices_for_key_groups(assign_key_groups(pdf[key], max_parallelism),

@@ -8,6 +8,7 @@
 * `executor_id` / `executor_process` (run in a Python worker): the executor running the task.
 * `is_connect` / `default_parallelism`: which kind of session this is, and how many tasks a read
   should use by default.
+* `struct_from_ddl`: a DDL string as a StructType on Spark 3.5 and 4.x.
 
 Classic and Spark Connect. A Connect session (`SparkSession.builder.remote("sc://host")`) has no
 SparkContext, no `_jvm` and no RDDs; `is_connect` recognises it by its class, and then nothing here
@@ -71,6 +72,19 @@ def default_parallelism(spark) -> int:
         if value:
             return max(1, int(value))
     return 1
+
+
+def struct_from_ddl(ddl: str):
+    """A DDL string ("a int, b string") as a StructType. Spark 4 has `StructType.fromDDL`; Spark 3.5
+    has not, and there the active SparkContext's own parser does it (so only with a session)."""
+    from pyspark.sql.types import StructType
+
+    from_ddl = getattr(StructType, "fromDDL", None)
+    if from_ddl is not None:
+        return from_ddl(ddl)
+    from pyspark.sql.types import _parse_datatype_string
+
+    return _parse_datatype_string(ddl)
 
 
 # ------------------------------------------------------------------ the workers' environment

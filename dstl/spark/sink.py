@@ -63,9 +63,9 @@ def prune_markers(base_path: str, keep_from_batch: int) -> None:
 
 def read_batch_output(spark, batch_dir: str, schema: Any):
     """The committed output of one batch as a Spark DataFrame (empty, with `schema`, if none)."""
-    from pyspark.sql.types import StructType
+    from dstl.spark.session import struct_from_ddl
 
-    struct = StructType.fromDDL(schema) if isinstance(schema, str) else schema
+    struct = struct_from_ddl(schema) if isinstance(schema, str) else schema
     fs, path = _fs(batch_dir)
     fs.invalidate_cache(path)
     has_parts = fs.exists(path) and any(p.endswith(".parquet") for p in fs.ls(path, detail=False))

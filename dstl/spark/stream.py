@@ -533,6 +533,7 @@ def _parse_output_schema(schema: Any, spark_only: bool = False):
     from pyspark.sql.types import StructType
 
     from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.session import struct_from_ddl
 
     try:
         if isinstance(schema, str) and not spark_only:
@@ -545,9 +546,9 @@ def _parse_output_schema(schema: Any, spark_only: bool = False):
 
                 if SparkSession.getActiveSession() is None:
                     return None
-                struct = StructType.fromDDL(schema)
+                struct = struct_from_ddl(schema)
         else:
-            struct = StructType.fromDDL(schema) if isinstance(schema, str) else schema
+            struct = struct_from_ddl(schema) if isinstance(schema, str) else schema
         if not isinstance(struct, StructType):
             raise TypeError(f"a {type(struct).__name__}, not a struct of columns")
         _arrow_output_schema(struct)

@@ -147,7 +147,10 @@ def _bad_row(checkpoint_id: int, problem: str, detail: str) -> Dict[str, Any]:
 def _placement(p: Dict[str, Any]) -> str:
     if not p:
         return "-"
-    return f"{p['warm']}/{p['restored']}/{p['moved']} ({p['restore_ms_max']:.0f})"
+    # where the restores read their files: "local" (this host's copies), "local+dfs", "dfs"
+    froms = sorted({s for s in p.get("sources") or () if s not in ("memory", "new")})
+    return f"{p['warm']}/{p['restored']}/{p['moved']} ({p['restore_ms_max']:.0f})" + \
+        (f" {','.join(froms)}" if froms else "")
 
 
 def _ls(args) -> int:

@@ -265,8 +265,9 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
 
 
 CACHE_PREFIX = "dstl-download-cache-"
-def sweep_download_caches(directory: Optional[str] = None) -> int:
-    """Remove `dstl-download-cache-<pid>-*` directories whose process is gone; returns how many."""
+def sweep_download_caches(directory: Optional[str] = None, prefix: str = CACHE_PREFIX) -> int:
+    """Remove `<prefix><pid>-*` directories (download caches; with another `prefix`, local-recovery
+    owner directories) whose process is gone; returns how many."""
     directory = directory or tempfile.gettempdir()
     removed = 0
     try:
@@ -274,9 +275,9 @@ def sweep_download_caches(directory: Optional[str] = None) -> int:
     except OSError:
         return 0
     for name in names:
-        if not name.startswith(CACHE_PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(CACHE_PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
