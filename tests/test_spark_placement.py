@@ -61,8 +61,11 @@ def _warm(results):
     return sum(rep["continued"] for rep in reps), len(reps)
 
 
-def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(tmp_path, capsys):
+def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(tmp_path, capsys, monkeypatch):
     base = str(tmp_path / "job")
+    # a local base path gets no local copies by default (they would only double the writes); the
+    # variable turns them on, so this test sees the same-host restores a remote base path gets
+    monkeypatch.setenv("DSTL_LOCAL_RECOVERY_DIR", str(tmp_path / "local-recovery"))
     marker = str(tmp_path / "fired")
     results, stages, out = _drive(tmp_path, "local", "local[2,4]", 4, 4, base,
                                   faults=f"task.mid_batch@2/1=kill:once={marker}")

@@ -162,6 +162,19 @@ def local_recovery_dirs() -> Tuple[Optional[str], Optional[str]]:
     return _local["root"], _local["owner"]
 
 
+def _wants_local_recovery(options: Mapping[str, Any]) -> bool:
+    """By default only for a remote base path: a copy of a file on the same local disk saves no
+    read, it only doubles the writes. ``$DSTL_LOCAL_RECOVERY_DIR`` set (not off) turns it on anyway."""
+    from dstl.changelog import local_recovery as lr
+    from dstl.config import StorageConfig
+
+    if os.environ.get(lr.ENV, "").strip():
+        return True
+    base = StorageConfig.of(options).base_path
+    protocol = base.split("://", 1)[0].split("::")[0] if "://" in base else "file"
+    return protocol not in ("file", "local")
+
+
 def storage_for(job_id: str, options: Mapping[str, Any]):
     """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open, with
     local recovery into this process's owner directory (`local_recovery_dirs`)."""
@@ -171,7 +184,7 @@ def storage_for(job_id: str, options: Mapping[str, Any]):
     with _storages_lock:
         storage = _storages.get(key)
         if storage is None or storage.closed or storage.broken:  # broken: its upload service died
-            root, owner = local_recovery_dirs()
+            root, owner = local_recovery_dirs() if _wants_local_recovery(options) else (None, None)
             storage = FsStateChangelogStorage(dict(options), job_id=job_id, local_recovery_dir=owner,
                                               local_recovery_root=root)
             _storages[key] = storage
