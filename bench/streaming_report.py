@@ -235,6 +235,10 @@ def summarize(steady: Dict[str, List[dict]], restart: dict, events: int) -> dict
                "batch_s": [r["batch_ms"] / 1000 for r in recs]}
         if not name.startswith("native"):
             row["phases_ms"] = phase_breakdown(warm)
+        if restart:
+            row.update(restore_batch_s=restart["restore"][name]["batch_ms"] / 1000,
+                       restore_start_to_done_s=restart["restore"][name]["start_to_done_s"],
+                       rescale_batch_s=restart["rescale"][name]["batch_ms"] / 1000)
         if not restart:  # --steady-only
             row["checkpoint_ms"] = [r.get("checkpoint_ms", r.get("state_commit_ms")) for r in recs]
         elif name.startswith("native"):
