@@ -114,7 +114,11 @@ def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tm
             log_dir = str(tmp_path / f"event-log-{phase}")
             os.makedirs(log_dir)
             event_logs.append(log_dir)
-            run_stream_driver(driver_env, dict(conf, **{"spark.eventLog.dir": "file://" + log_dir}),
+            env = driver_env
+            if phase == 0:  # batch KILL_AT's tasks stall (once each), so the kill surely hits a running one
+                env = dict(driver_env, DSTL_FAULTS=",".join(
+                    f"task.mid_batch@{KILL_AT}/{s}=stall:once={tmp_path / f'stalled-{s}'}" for s in range(parallelism)))
+            run_stream_driver(env, dict(conf, **{"spark.eventLog.dir": "file://" + log_dir}),
                               ["--base", base, "--input", inputs, "--checkpoint", ckpt,
                                "--parallelism", str(parallelism), "--storage-option", "upload.timeout=10s"],
                               progress, on_poll=kill_mid_task if phase == 0 else None)

@@ -45,3 +45,18 @@ def test_kill_from_the_environment(tmp_path):
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == -9 and proc.stdout == "alive\n"
+
+
+def test_stall_sleeps_then_goes_on_without_the_crash_side_effect(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSTL_FAULTS_STALL_S", "0.3")
+    calls = []
+    with faults.armed(f"task.mid_batch@4=stall:once={tmp_path / 'stalled'}"):
+        import time
+
+        t0 = time.monotonic()
+        faults.point("task.mid_batch", 4, subtask=0, before=lambda: calls.append("half"))
+        assert time.monotonic() - t0 >= 0.3
+        t0 = time.monotonic()
+        faults.point("task.mid_batch", 4, subtask=0)            # once: no second stall
+        assert time.monotonic() - t0 < 0.3
+    assert calls == []  # a stall applies nothing: the task goes on with all its rows

@@ -9,7 +9,9 @@ unless a fault is armed for that point and batch. Arm faults either
 
 Actions: ``kill`` (SIGKILL this process: a real crash, no cleanup), ``kill-executor`` (in a
 Python worker: SIGKILL the executor JVM that runs it, i.e. a lost executor; in local mode, where the
-JVM is the driver, only this process), ``raise`` (raise `InjectedFault`). An action may end with ``:once=<path>``: it fires only if that marker file does
+JVM is the driver, only this process), ``raise`` (raise `InjectedFault`), ``stall`` (sleep
+``$DSTL_FAULTS_STALL_S`` seconds, default 20, then go on: a task that is surely running while a
+test kills its host). An action may end with ``:once=<path>``: it fires only if that marker file does
 not exist yet and creates it (a retried Spark task then succeeds).
 
 Points:
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 ENV = "DSTL_FAULTS"
-ACTIONS = ("kill", "kill-executor", "raise")
+ACTIONS = ("kill", "kill-executor", "raise", "stall")
 
 __all__ = ["InjectedFault", "point", "armed", "parse", "ENV"]
 
@@ -102,6 +104,11 @@ def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = No
                 or (f.subtask is not None and f.subtask != subtask):
             continue
         if f.once is not None and not _claim(f.once):
+            continue
+        if f.action == "stall":  # nothing changes: `before` is for the moment of a crash
+            import time
+
+            time.sleep(float(os.environ.get("DSTL_FAULTS_STALL_S", "20")))
             continue
         if before is not None:
             before()
