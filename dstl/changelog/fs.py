@@ -227,13 +227,14 @@ _CREDENTIAL_SOURCES.update({"s3a": _CREDENTIAL_SOURCES["s3"], "gs": _CREDENTIAL_
                             "az": _CREDENTIAL_SOURCES["abfs"]})
 
 
-def _protocol_of(url: str) -> str:
+def protocol_of(url: str) -> str:
+    """The protocol of a base path or URL ("file" for a plain path; the outer one of a chain)."""
     return url.split("://", 1)[0].split("::")[0] if "://" in url else "file"
 
 
 def credential_sources(url: str) -> str:
     """Where credentials for `url`'s store are looked for, in words."""
-    return _CREDENTIAL_SOURCES.get(_protocol_of(url), "the storage options (fs.*) and the file system's "
+    return _CREDENTIAL_SOURCES.get(protocol_of(url), "the storage options (fs.*) and the file system's "
                                                       "own defaults (its environment variables, config files)")
 
 

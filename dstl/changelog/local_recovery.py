@@ -118,18 +118,8 @@ class LocalCopies:
 
     def discard(self, names: Iterable[str]) -> int:
         """Delete the copies named `names` wherever they are (a copy found corrupt); returns how many."""
-        removed = 0
         wanted = set(names)
-        for d in self.directories():
-            for name in wanted:
-                try:
-                    os.remove(os.path.join(d, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.warning("could not delete the local copy %s: %s", os.path.join(d, name), exc)
-        return removed
+        return sum(_remove(os.path.join(d, name)) for d in self.directories() for name in wanted)
 
     def counters(self) -> Dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "rejected": self.rejected}
@@ -157,18 +147,19 @@ def prune(directory: str, job_id: str, keep: Iterable[str]) -> int:
         names = os.listdir(d)
     except OSError:
         return 0
-    removed = 0
-    for name in names:
-        if name in keep:
-            continue
-        try:
-            os.remove(os.path.join(d, name))
-            removed += 1
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not delete the local copy %s: %s", os.path.join(d, name), exc)
-    return removed
+    return sum(_remove(os.path.join(d, name)) for name in names if name not in keep)
+
+
+def _remove(path: str) -> bool:
+    """Delete one copy; False if it was not there or could not be deleted (logged: best effort)."""
+    try:
+        os.remove(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("could not delete the local copy %s: %s", path, exc)
+        return False
 
 
 def file_names(snapshots: Iterable) -> List[str]:

@@ -166,13 +166,12 @@ def _wants_local_recovery(options: Mapping[str, Any]) -> bool:
     """By default only for a remote base path: a copy of a file on the same local disk saves no
     read, it only doubles the writes. ``$DSTL_LOCAL_RECOVERY_DIR`` set (not off) turns it on anyway."""
     from dstl.changelog import local_recovery as lr
+    from dstl.changelog.fs import protocol_of
     from dstl.config import StorageConfig
 
     if os.environ.get(lr.ENV, "").strip():
         return True
-    base = StorageConfig.of(options).base_path
-    protocol = base.split("://", 1)[0].split("::")[0] if "://" in base else "file"
-    return protocol not in ("file", "local")
+    return protocol_of(StorageConfig.of(options).base_path) not in ("file", "local")
 
 
 def storage_for(job_id: str, options: Mapping[str, Any]):
