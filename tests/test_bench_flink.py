@@ -120,10 +120,12 @@ def _hot_path_rounds(run, n, rounds):
                 "state_ns.dict_set": 40.0, "state_ns.dict_get": 30.0,
                 "state_ns.value_update": 400.0, "state_ns.value_get": 120.0,
                 "phase.pack": 0.010, "phase.body_copy": 0.012, "phase.file_write": 0.024,
-                "phase.body_copy_shm": 0.013, "phase.shm_to_file": 0.030, "phase.bodies": 17}
+                "phase.body_copy_shm": 0.013, "phase.shm_to_file": 0.030, "phase.thread_upload": 0.040,
+                "phase.bodies": 17, "plain_write_cpu": 0.025}
         for key in ("dstl_write_vectorised_process", "dstl_write_vectorised_thread", "dstl_write_per_record"):
             more[f"{key}.appends"] = 0.030
             more[f"{key}.tail"] = 0.020
+            more[f"{key}.cpu"] = 0.060 + 0.010 * i
         extra.append(more)
     return extra
 
@@ -154,6 +156,8 @@ def test_hot_path_summary_ratios_goals_and_the_unstable_flag(bench_modules, caps
     assert result["keyed_state"]["update_vs_dict"]["median"] == pytest.approx(10.0)
     assert result["keyed_state"]["get_vs_call_floor"]["median"] == pytest.approx(3.0)
     assert result["phases_ms"]["pack"]["median"] == pytest.approx(10.0)
+    assert result["phases_ms"]["dstl_write_vectorised_thread.cpu"]["per_round"] == pytest.approx([60.0, 70.0, 80.0])
+    assert result["phases_ms"]["plain_write_cpu"]["median"] == pytest.approx(25.0)
     assert result["load"]["loadavg_1m_per_round"] == [1.1, 1.2, 1.3]
     assert result["load"]["rounds_disagree"] is True
     assert set(result["load"]["unstable_paths"]) == {"plain_read", "dstl_read_arrays"}
@@ -171,6 +175,7 @@ def test_hot_path_summary_ratios_goals_and_the_unstable_flag(bench_modules, caps
     md = run.hot_path_markdown(result)
     assert "rounds disagree by more than 2x" in md and "**missed**" in md
     assert "| `ValueState.update(k, v)` | 400 (400-400) |" in md
+    assert "CPU time of the write" in md
 
 
 def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
@@ -185,9 +190,10 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     try:
         got = meter.write_phases()
         assert got["bodies"] == 2  # 12 MB, cut after the 10,000-row call that reaches 5 MiB: 6 MB each
-        assert all(got[k] > 0 for k in ("pack", "body_copy", "file_write", "body_copy_shm", "shm_to_file"))
+        assert all(got[k] > 0 for k in ("pack", "body_copy", "file_write", "thread_upload", "body_copy_shm",
+                                        "shm_to_file"))
         floors = meter.plain_write_read("plain")
-        assert floors["plain_write"] > 0 and floors["plain_read"] > 0
+        assert floors["plain_write"] > 0 and floors["plain_read"] > 0 and floors["plain_write_cpu"] >= 0
         with open_storage(str(tmp_path / "storage"), upload_mode="thread") as storage:
             calls = meter.append_calls(storage)
             assert calls["append_calls"] > 0 and calls["call_floor"] > 0

@@ -5,11 +5,13 @@ Phases of a vectorised write (what `append_many` + `persist` is made of, docs/be
   pack         ChangeBuffer.append_many in 10,000-row calls, seal_body at the pre-emptive threshold:
                framing only (record arrays); the immutable payload is referenced, not copied
   body copy    SealedBody.write_into a warm buffer: the one user-space copy of the payload, the
-               body's canonical (key-group ordered) layout; thread mode makes it into a reused
-               buffer, process mode into a shared-memory segment
-  file write   os.write of each body from that buffer into one new file (thread mode's file write)
-  shm -> file  the same bodies from a shared-memory file with FileSpan.send_to (pread into a reused
-               1 MiB buffer, write out): the upload service's copy (process mode)
+               body's canonical (key-group ordered) layout; process mode makes it into a
+               shared-memory segment
+  file write   os.write of each laid-out body from that buffer into one new file: the page-cache copy
+  thread upload  write_bodies of the bodies into one new file: what a thread-mode upload does, the
+               layout made one L2-sized piece at a time and each piece written while in the cache
+  shm -> file  the same bodies from a shared-memory file with FileSpan.send_to from a kept mapping:
+               the upload service's copy (process mode)
 The end-to-end write of each mode is split where the appending thread finishes: `appends` (every
 append_many call, the pre-emptive hand-offs and whatever the upload threads take from the appending
 thread) and `tail` (persist() until the handle: the 10 ms batching delay, the last upload, metadata
@@ -99,12 +101,23 @@ class Phases:
         os.remove(path)
 
         from dstl.changelog.upload.uploader import FileSpan
+        from dstl.format import write_bodies
+
+        path = os.path.join(self.root, "phases-thread-upload")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0 = time.perf_counter()
+        try:
+            write_bodies([fd], bodies)
+        finally:
+            os.close(fd)
+        thread_upload = time.perf_counter() - t0
+        os.remove(path)
 
         spans, pos = [], 0
         t0 = time.perf_counter()
         for body in bodies:
             size = body.write_into(self._shm, pos)
-            spans.append(FileSpan(self._shm_fd, pos, size))
+            spans.append(FileSpan(self._shm_fd, pos, size, self._shm))  # kept mapped, as the uploaders do
             pos += size
         shm_copy = time.perf_counter() - t0
         path = os.path.join(self.root, "phases-process")
@@ -117,17 +130,19 @@ class Phases:
             os.close(fd)
         shm_to_file = time.perf_counter() - t0
         os.remove(path)
-        return {"pack": pack, "body_copy": copy, "file_write": write, "body_copy_shm": shm_copy,
-                "shm_to_file": shm_to_file, "bodies": len(bodies)}
+        return {"pack": pack, "body_copy": copy, "file_write": write, "thread_upload": thread_upload,
+                "body_copy_shm": shm_copy, "shm_to_file": shm_to_file, "bodies": len(bodies)}
 
     # -- floors ------------------------------------------------------------------------------
     def plain_write_read(self, name: str) -> Dict[str, float]:
         """One write() of the payload to a new file, then one readinto() of it (page cache warm)."""
         path = os.path.join(self.root, name)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         with open(path, "wb") as f:
             f.write(self.w.data)
         write = time.perf_counter() - t0
+        write_cpu = time.process_time() - c0
         t0 = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
             got = f.readinto(self._read_buf)
@@ -135,7 +150,7 @@ class Phases:
         os.remove(path)
         if got != len(self.w.data):
             raise RuntimeError(f"plain read got {got} bytes, expected {len(self.w.data)}")
-        return {"plain_write": write, "plain_read": read}
+        return {"plain_write": write, "plain_read": read, "plain_write_cpu": write_cpu}
 
     def append_calls(self, storage) -> Dict[str, float]:
         """The per-record `writer.append` loop on its own beside the no-op call loop, alternating in

@@ -3,7 +3,7 @@
 `ChangeBuffer` collects one change set and seals it into its canonical body; `SealedBody` is that
 body (bytes-like, written in chunks); `WriterCore` is the writer's append path (no lock, one thread).
 """
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence
 
 import numpy as np
 
@@ -29,6 +29,8 @@ class ChangeBuffer:
     def seal_body(self) -> SealedBody: ...
     def seal_into(self, out: Any, pos: int = ...) -> int: ...
     def clear(self) -> None: ...
+
+def write_bodies(fds: Sequence[int], bodies: Sequence[Any]) -> int: ...
 
 class WriterCore:
     """Base of `FsStateChangelogWriter`: the per-record append path."""

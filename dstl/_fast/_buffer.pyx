@@ -16,6 +16,9 @@ from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 
+import operator
+import os
+
 import numpy as np
 
 from dstl._fast._buffer_py import byte_view, check_key_group, coerce_many, writable_view
@@ -588,6 +591,109 @@ cdef inline int64_t copy_part(unsigned char* dst, int64_t room, const unsigned c
     return k
 
 
+cdef struct BodyRef:
+    # the parts of a SealedBody that laying it out reads: plain C, so it can be used without the GIL
+    int64_t total, n, num_groups
+    const int32_t* kgs
+    const int64_t* offs      # absolute payload addresses
+    const int32_t* lens
+    const int64_t* groups    # (key group, count) per group, canonical order
+    const int64_t* perm      # NULL until SealedBody._order built it
+
+
+cdef int scatter_body(const BodyRef* b, unsigned char* dst) noexcept nogil:
+    """Write the whole body into dst in append order (each group gets a cursor): the payload is read
+    sequentially, which is faster than the gather of `fill_body` when dst fits in the cache.
+    0, or -1 when out of memory."""
+    cdef int64_t* cursor
+    cdef int64_t i, g, p, lo, span, c, length
+    put_be32(dst, <int32_t>b.num_groups)
+    if b.n == 0:
+        return 0
+    lo = b.groups[0]
+    span = b.groups[2 * (b.num_groups - 1)] - lo + 1
+    cursor = <int64_t*>malloc(span * sizeof(int64_t))
+    if cursor == NULL:
+        return -1
+    memset(cursor, 0, span * sizeof(int64_t))
+    for i in range(b.n):  # payload bytes per group
+        cursor[b.kgs[i] - lo] += b.lens[i]
+    p = 4
+    for g in range(b.num_groups):
+        c = b.groups[2 * g + 1]
+        put_be32(dst + p, <int32_t>c)
+        put_be32(dst + p + 4, <int32_t>b.groups[2 * g])
+        c = p + 8 + 4 * c + cursor[b.groups[2 * g] - lo]
+        cursor[b.groups[2 * g] - lo] = p + 8
+        p = c
+    for i in range(b.n):
+        g = b.kgs[i] - lo
+        p = cursor[g]
+        length = b.lens[i]
+        put_be32(dst + p, <int32_t>length)
+        memcpy(dst + p + 4, <const unsigned char*>b.offs[i], length)
+        cursor[g] = p + 4 + length
+    free(cursor)
+    return 0
+
+
+cdef int64_t fill_body(const BodyRef* b, unsigned char* out, int64_t room, Cursor* c) noexcept nogil:
+    """Write the next canonical bytes into out[:room]; returns how many (0 once done)."""
+    cdef int64_t filled = 0, i, length, stop, ahead
+    cdef int64_t n = b.n
+    cdef unsigned char tmp[8]
+    cdef const unsigned char* src
+    while filled < room and c.phase != 3:
+        if c.phase == 0:
+            put_be32(tmp, <int32_t>b.num_groups)
+            filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
+            if c.done == 4:
+                c.done = 0
+                c.phase = 1 if b.num_groups else 3
+        elif c.phase == 1:
+            put_be32(tmp, <int32_t>b.groups[2 * c.g + 1])
+            put_be32(tmp + 4, <int32_t>b.groups[2 * c.g])
+            filled += copy_part(out + filled, room - filled, tmp, 8, &c.done)
+            if c.done == 8:
+                c.done = 0
+                c.phase = 2
+                c.stop = c.r + b.groups[2 * c.g + 1]
+        else:
+            stop = c.stop
+            while c.r < stop and filled < room:
+                i = b.perm[c.r]
+                length = b.lens[i]
+                src = <const unsigned char*>b.offs[i]
+                if c.done == 0 and room - filled >= 4 + length:  # the common case: whole record
+                    ahead = c.r + PREFETCH_AHEAD
+                    if ahead < n:  # the gather reads far apart records: ask for them early
+                        src = <const unsigned char*>b.offs[b.perm[ahead]]
+                        DSTL_PREFETCH(src)
+                        DSTL_PREFETCH(src + 64)
+                        src = <const unsigned char*>b.offs[i]
+                    put_be32(out + filled, <int32_t>length)
+                    memcpy(out + filled + 4, src, length)
+                    filled += 4 + length
+                    c.r += 1
+                    continue
+                if c.done < 4:
+                    put_be32(tmp, <int32_t>length)
+                    filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
+                    if c.done < 4:
+                        break
+                c.done -= 4
+                filled += copy_part(out + filled, room - filled, src, length, &c.done)
+                if c.done < length:
+                    c.done += 4
+                    break
+                c.done = 0
+                c.r += 1
+            if c.r == stop and c.done == 0:
+                c.g += 1
+                c.phase = 1 if c.g < b.num_groups else 3
+    return filled
+
+
 cdef class SealedBody:
     """A sealed change-set body that is produced while it is written (`ChangeBuffer.seal_body`).
 
@@ -630,38 +736,30 @@ cdef class SealedBody:
         return self.total
 
     cdef int _scatter(self, unsigned char* dst) except -1:
-        """Write the whole body into dst in append order (each group gets a cursor): the payload is
-        read sequentially, which is faster than the gather of `_fill` when dst fits in the cache."""
-        cdef int64_t* cursor
-        cdef int64_t i, g, p, lo, span, c, length
-        put_be32(dst, <int32_t>self.num_groups)
-        if self.n == 0:
-            return 0
-        lo = self.groups[0]
-        span = self.groups[2 * (self.num_groups - 1)] - lo + 1
-        cursor = <int64_t*>malloc(span * sizeof(int64_t))
-        if cursor == NULL:
-            raise MemoryError()
+        """Write the whole body into dst (see scatter_body)."""
+        cdef BodyRef ref = body_ref(self)
+        cdef int rc
         with nogil:
-            memset(cursor, 0, span * sizeof(int64_t))
-            for i in range(self.n):  # payload bytes per group
-                cursor[self.kgs[i] - lo] += self.lens[i]
-            p = 4
-            for g in range(self.num_groups):
-                c = self.groups[2 * g + 1]
-                put_be32(dst + p, <int32_t>c)
-                put_be32(dst + p + 4, <int32_t>self.groups[2 * g])
-                c = p + 8 + 4 * c + cursor[self.groups[2 * g] - lo]
-                cursor[self.groups[2 * g] - lo] = p + 8
-                p = c
-            for i in range(self.n):
-                g = self.kgs[i] - lo
-                p = cursor[g]
-                length = self.lens[i]
-                put_be32(dst + p, <int32_t>length)
-                memcpy(dst + p + 4, <const unsigned char*>self.offs[i], length)
-                cursor[g] = p + 4 + length
-        free(cursor)
+            rc = scatter_body(&ref, dst)
+        if rc:
+            raise MemoryError()
+        return 0
+
+    cdef int _gather_into(self, unsigned char* dst) except -1:
+        """Write the whole body into dst in canonical order (sequential stores): into memory that is
+        not in the cache (a shared-memory segment, a new bytes object) this beats `_scatter`, whose
+        stores go to one place per key group (docs/benchmarks.md)."""
+        cdef Cursor c
+        cdef BodyRef ref
+        cdef int64_t got
+        self._order()
+        ref = body_ref(self)
+        c.phase = 0
+        c.g = c.r = c.stop = c.done = 0
+        with nogil:
+            got = fill_body(&ref, dst, self.total, &c)
+        if got != self.total:  # the walk and the encoded size disagree: never write a torn body
+            raise RuntimeError(f"sealed body produced {got} bytes, its length is {self.total}")
         return 0
 
     cdef int _order(self) except -1:
@@ -692,66 +790,11 @@ cdef class SealedBody:
         self.perm = perm
         return 0
 
-    cdef int64_t _fill(self, unsigned char* out, int64_t room, Cursor* c) noexcept nogil:
-        """Write the next canonical bytes into out[:room]; returns how many (0 once done)."""
-        cdef int64_t filled = 0, i, length, stop, ahead
-        cdef int64_t n = self.n
-        cdef unsigned char tmp[8]
-        cdef const unsigned char* src
-        while filled < room and c.phase != 3:
-            if c.phase == 0:
-                put_be32(tmp, <int32_t>self.num_groups)
-                filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
-                if c.done == 4:
-                    c.done = 0
-                    c.phase = 1 if self.num_groups else 3
-            elif c.phase == 1:
-                put_be32(tmp, <int32_t>self.groups[2 * c.g + 1])
-                put_be32(tmp + 4, <int32_t>self.groups[2 * c.g])
-                filled += copy_part(out + filled, room - filled, tmp, 8, &c.done)
-                if c.done == 8:
-                    c.done = 0
-                    c.phase = 2
-                    c.stop = c.r + self.groups[2 * c.g + 1]
-            else:
-                stop = c.stop
-                while c.r < stop and filled < room:
-                    i = self.perm[c.r]
-                    length = self.lens[i]
-                    src = <const unsigned char*>self.offs[i]
-                    if c.done == 0 and room - filled >= 4 + length:  # the common case: whole record
-                        ahead = c.r + PREFETCH_AHEAD
-                        if ahead < n:  # the gather reads far apart records: ask for them early
-                            src = <const unsigned char*>self.offs[self.perm[ahead]]
-                            DSTL_PREFETCH(src)
-                            DSTL_PREFETCH(src + 64)
-                            src = <const unsigned char*>self.offs[i]
-                        put_be32(out + filled, <int32_t>length)
-                        memcpy(out + filled + 4, src, length)
-                        filled += 4 + length
-                        c.r += 1
-                        continue
-                    if c.done < 4:
-                        put_be32(tmp, <int32_t>length)
-                        filled += copy_part(out + filled, room - filled, tmp, 4, &c.done)
-                        if c.done < 4:
-                            break
-                    c.done -= 4
-                    filled += copy_part(out + filled, room - filled, src, length, &c.done)
-                    if c.done < length:
-                        c.done += 4
-                        break
-                    c.done = 0
-                    c.r += 1
-                if c.r == stop and c.done == 0:
-                    c.g += 1
-                    c.phase = 1 if c.g < self.num_groups else 3
-        return filled
-
     def write_to(self, write, chunk_size=CHUNK):
         """Call `write(view)` with the body's bytes in order, `chunk_size` bytes at a time (the last
         piece may be shorter); each view is valid only during its call. Returns the bytes written."""
         cdef Cursor c
+        cdef BodyRef ref
         cdef int64_t size = chunk_size, got, written = 0
         cdef unsigned char* ptr
         cdef bytearray chunk
@@ -765,6 +808,7 @@ cdef class SealedBody:
         if self.total <= scatter_max:
             return self._write_scattered(write, size)
         self._order()
+        ref = body_ref(self)
         c.phase = 0
         c.g = c.r = c.stop = c.done = 0
         spares = _spare_chunks.get(size)
@@ -772,7 +816,7 @@ cdef class SealedBody:
         ptr = <unsigned char*>(<char*>chunk)
         while True:
             with nogil:
-                got = self._fill(ptr, size, &c)
+                got = fill_body(&ref, ptr, size, &c)
             if got == 0:
                 break
             _write_view(write, memoryview(chunk)[:got])
@@ -819,7 +863,7 @@ cdef class SealedBody:
             if self._bytes is not None:
                 memcpy((<unsigned char*>view.buf) + start, PyBytes_AS_STRING(self._bytes), self.total)
             else:
-                self._scatter((<unsigned char*>view.buf) + start)
+                self._gather_into((<unsigned char*>view.buf) + start)
         finally:
             PyBuffer_Release(&view)
         return self.total
@@ -833,7 +877,7 @@ cdef class SealedBody:
             out = PyBytes_FromStringAndSize(NULL, self.total)
             dst = <unsigned char*>PyBytes_AS_STRING(out)
             huge_pages(dst, self.total)
-            self._scatter(dst)
+            self._gather_into(dst)
             self._bytes = out
         return self._bytes
 
@@ -858,6 +902,155 @@ cdef class SealedBody:
 
     def __repr__(self):
         return f"SealedBody(groups={self.num_groups}, changes={self.n}, encoded={self.total})"
+
+
+
+cdef inline BodyRef body_ref(SealedBody body) noexcept:
+    cdef BodyRef r
+    r.total, r.n, r.num_groups = body.total, body.n, body.num_groups
+    r.kgs, r.offs, r.lens, r.groups, r.perm = body.kgs, body.offs, body.lens, body.groups, body.perm
+    return r
+
+
+cdef extern from "unistd.h" nogil:
+    ssize_t c_write "write" (int fd, const void* buf, size_t count)
+
+cdef extern from "errno.h" nogil:
+    int errno
+    int EINTR
+
+
+cdef int write_all(const int* fds, int nfds, const unsigned char* p, int64_t n) noexcept nogil:
+    """write(2) p[:n] in full to every fd; 0, or the errno of the first failure."""
+    cdef int k
+    cdef int64_t done
+    cdef ssize_t got
+    for k in range(nfds):
+        done = 0
+        while done < n:
+            got = c_write(fds[k], p + done, <size_t>(n - done))
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                return errno
+            done += got
+    return 0
+
+
+cdef enum:
+    MAX_FDS = 4
+
+
+cdef int64_t piece_size = 512 << 10  # write_bodies' piece: produced and written while in the L2 cache
+
+
+def _set_piece_size(nbytes):
+    """Benchmarks and tests: the piece size of write_bodies; returns the previous one."""
+    global piece_size
+    if nbytes <= 0:
+        raise ValueError(f"piece size must be positive, got {nbytes}")
+    old, piece_size = piece_size, nbytes
+    return old
+
+
+def write_bodies(fds, bodies):
+    """Write `bodies` (sealed bodies or bytes-like objects) back to back to each file descriptor in
+    `fds`, at its position, with the GIL released once for all of them: an upload thread needs the
+    interpreter only before and after the file's bytes. A sealed body is produced in canonical order
+    one L2-sized piece at a time and each piece written while it is still in the cache, so that two
+    upload threads scale on two cores (a whole-body layout first makes them contend for the shared
+    cache and memory). Returns the bytes written to each fd; OSError (with the byte offset reached)
+    if a write fails."""
+    cdef int cfds[MAX_FDS]
+    cdef int nfds = 0, err = 0
+    cdef Py_ssize_t nb = len(bodies), i, nviews = 0
+    cdef int64_t pos = 0, got, size = piece_size
+    cdef bint sealed = False
+    cdef Py_buffer* views
+    cdef BodyRef* refs
+    cdef int* kinds          # 0 = raw buffer, 1 = sealed body, -1 = not looked at
+    cdef unsigned char* chunk_ptr = NULL
+    cdef Cursor c
+    cdef bytearray chunk = None
+    cdef list held = []      # keeps the bodies alive while the GIL is released
+    for fd in fds:
+        if nfds == MAX_FDS:
+            raise ValueError(f"write_bodies: at most {MAX_FDS} file descriptors")
+        try:
+            cfds[nfds] = operator.index(fd)
+        except TypeError:
+            raise TypeError(f"write_bodies: file descriptors must be ints, got {type(fd).__name__}") from None
+        if cfds[nfds] < 0:
+            raise ValueError(f"write_bodies: invalid file descriptor {cfds[nfds]}")
+        nfds += 1
+    if nb == 0 or nfds == 0:
+        return 0
+    views = <Py_buffer*>malloc(nb * sizeof(Py_buffer))
+    refs = <BodyRef*>malloc(nb * sizeof(BodyRef))
+    kinds = <int*>malloc(nb * sizeof(int))
+    if views == NULL or refs == NULL or kinds == NULL:
+        free(views)
+        free(refs)
+        free(kinds)
+        raise MemoryError()
+    try:
+        for i in range(nb):
+            kinds[i] = -1
+            nviews = i + 1
+            b = bodies[i]
+            held.append(b)
+            if type(b) is SealedBody and (<SealedBody>b)._bytes is None:
+                (<SealedBody>b)._order()
+                refs[i] = body_ref(<SealedBody>b)
+                kinds[i] = 1
+                sealed = True
+                continue
+            if type(b) is SealedBody:
+                b = (<SealedBody>b)._bytes
+            try:
+                PyObject_GetBuffer(b, &views[i], PyBUF_SIMPLE)
+            except (TypeError, BufferError, ValueError):
+                raise TypeError(f"write_bodies: body {i} is not a sealed body or a contiguous "
+                                f"bytes-like object, got {type(b).__name__}") from None
+            kinds[i] = 0
+        if sealed:
+            spares = _spare_chunks.get(size)
+            chunk = spares.pop() if spares else bytearray(size)
+            chunk_ptr = <unsigned char*>(<char*>chunk)
+        with nogil:
+            for i in range(nb):
+                if kinds[i] == 0:
+                    err = write_all(cfds, nfds, <const unsigned char*>views[i].buf, views[i].len)
+                    if err:
+                        break
+                    pos += views[i].len
+                    continue
+                c.phase = 0
+                c.g = c.r = c.stop = c.done = 0
+                while True:
+                    got = fill_body(&refs[i], chunk_ptr, size, &c)
+                    if got == 0:
+                        break
+                    err = write_all(cfds, nfds, chunk_ptr, got)
+                    if err:
+                        break
+                    pos += got
+                if err:
+                    break
+    finally:
+        for i in range(nviews):
+            if kinds[i] == 0:
+                PyBuffer_Release(&views[i])
+        free(views)
+        free(refs)
+        free(kinds)
+    if chunk is not None:
+        spares = _spare_chunks.setdefault(size, [])
+        if len(spares) < 4:
+            spares.append(chunk)
+    if err:
+        raise OSError(err, f"write_bodies: write failed at byte {pos} of the bodies: {os.strerror(err)}")
+    return pos
 
 
 from dstl._fast._buffer_py import concurrent_append_error, writer_key_group

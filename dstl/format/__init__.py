@@ -20,7 +20,7 @@ from dstl.types import SealedChangeSet, StateChange, StateChangeSet, java_uuid_s
 from dstl._fast._decode_py import ChangeSetInfo
 
 _buffer = _impl.kernel("_buffer")
-ChangeBuffer, WriterCore = _buffer.ChangeBuffer, _buffer.WriterCore
+ChangeBuffer, WriterCore, write_bodies = _buffer.ChangeBuffer, _buffer.WriterCore, _buffer.write_bodies
 _decode = _impl.kernel("_decode")
 decode_change_set, decode_change_set_arrays, walk = _decode.decode_change_set, _decode.decode_change_set_arrays, _decode.walk
 iter_change_set, chain_changes = _decode.iter_change_set, _decode.chain_changes
@@ -31,7 +31,7 @@ __all__ = [
     "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo", "WriterCore",
     "encode_change_set", "encode_file", "write_file", "to_logical", "decode_change_set",
     "decode_change_set_arrays", "decode_file", "decode_stream", "iter_change_set", "chain_changes", "walk",
-    "codec_flag",
+    "codec_flag", "write_bodies",
 ]
 
 

@@ -11,7 +11,7 @@ import uuid
 from typing import Optional, Sequence
 
 from dstl.changelog import fs as dfs
-from dstl.format import FLAG_RAW, write_file
+from dstl.format import FLAG_RAW, write_bodies, write_file
 from dstl.changelog.handles import StreamStateHandle
 
 from dstl.changelog.upload.task import UploadTask, UploadTasksResult
@@ -55,10 +55,11 @@ class FileSpan:
     `send_to`; everything else (compression, remote filesystems) streams it through `write_to`, like
     any other streaming body."""
 
-    __slots__ = ("fd", "offset", "length")
+    __slots__ = ("fd", "offset", "length", "mapped")
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.offset, self.length = fd, offset, length
+    def __init__(self, fd: int, offset: int, length: int, mapped=None):
+        # `mapped`: the whole segment, mapped read-only by the uploader process and kept (MappedSegments)
+        self.fd, self.offset, self.length, self.mapped = fd, offset, length, mapped
 
     def __len__(self) -> int:
         return self.length
@@ -80,7 +81,12 @@ class FileSpan:
         into the page cache, one copy, with the page tables filled in one go instead of one fault per
         page (a plain mapping) or a pread into a buffer first (docs/service.md). Small spans, and
         systems without MAP_POPULATE, go a piece at a time through one reused buffer the size of the
-        L2 cache (about twice as fast as sendfile(2) from tmpfs into ext4)."""
+        L2 cache (about twice as fast as sendfile(2) from tmpfs into ext4). A span whose segment the
+        uploader keeps mapped is written from that mapping: no mapping work per attempt at all."""
+        if self.mapped is not None:
+            with memoryview(self.mapped) as whole:
+                _write_all(out_fd, whole[self.offset:self.offset + self.length])
+            return
         if self.length >= MAP_MIN and _POPULATE:
             self._map_to(out_fd)
             return
@@ -128,19 +134,32 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_raw_spans(files, spans) -> tuple:
-    """The file bytes of uncompressed `spans` (flag byte, spans back to back) into each of `files`;
-    returns (logical offset of each span, logical size) as `write_file` does."""
+def _write_raw(files, bodies) -> tuple:
+    """The file bytes of uncompressed `bodies` (flag byte, bodies back to back) into each of the
+    local `files`, written to their descriptors: the service's segments (`FileSpan`) by the kernel's
+    copy, every run of other bodies (sealed bodies, bytes) by one `write_bodies` call, which holds the
+    GIL only around it. Returns (logical offset of each body, logical size) as `write_file` does."""
     offsets, pos = [], 0
-    for span in spans:
+    for body in bodies:
         offsets.append(pos)
-        pos += len(span)
+        pos += len(body)
+    fds = []
     for f in files:
         f.write(bytes([FLAG_RAW]))
         f.flush()
-        fd = f.fileno()
-        for span in spans:
-            span.send_to(fd)
+        fds.append(f.fileno())
+    run: list = []
+    for body in bodies:
+        if type(body) is FileSpan:
+            if run:
+                write_bodies(fds, run)
+                run = []
+            for fd in fds:
+                body.send_to(fd)
+        else:
+            run.append(body)
+    if run:
+        write_bodies(fds, run)
     return offsets, pos
 
 
@@ -225,6 +244,11 @@ class StateChangeFsUploader(StateChangeUploader):
         """Where the files go (a path on the uploader's filesystem)."""
         return self._dir
 
+    @property
+    def local_raw(self) -> bool:
+        """Whether files go uncompressed to the local disk (bodies then go to the descriptor directly)."""
+        return self._local_fs and self.compression is None
+
     def _url(self, path: str) -> str:
         return dfs.url_of(self._fs, path)
 
@@ -271,19 +295,19 @@ class StateChangeFsUploader(StateChangeUploader):
         local_path = os.path.join(self._local_dir, name) if self._local_dir else None
         created = []
         size = _file_size(bodies, self.compression)
-        spans_only = (self._local_fs and self.compression is None and bool(bodies)
-                      and all(type(b) is FileSpan for b in bodies))
+        # raw bodies to the local disk go to the file descriptors, without Python per piece
+        direct = self.local_raw and bool(bodies)
         try:
             opened = self._create(path, size)
             with opened as out:
                 created.append("remote")
-                if spans_only:  # the service's segments, raw, to local disk: kernel copies
+                if direct:
                     if local_path is None:
-                        offsets, logical_size = _write_raw_spans([out], bodies)
+                        offsets, logical_size = _write_raw([out], bodies)
                     else:
                         with self._create_local(local_path, size) as local_out:
                             created.append("local")
-                            offsets, logical_size = _write_raw_spans([out, local_out], bodies)
+                            offsets, logical_size = _write_raw([out, local_out], bodies)
                 elif local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)

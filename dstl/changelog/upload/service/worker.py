@@ -69,6 +69,7 @@ def _noop(*_a) -> None:
 
 
 _uploaders: Dict[tuple, object] = {}
+_mapped = None  # MappedSegments of this uploader process, made on first use
 
 
 def intended_url(job: dict) -> str:
@@ -91,6 +92,12 @@ def run_attempt(job: dict) -> dict:
     from dstl.changelog.upload.task import UploadTask
     from dstl.changelog.upload.uploader import FileSpan, StateChangeFsUploader
 
+    global _mapped
+    if _mapped is None:
+        from dstl.changelog.upload.service.mapped import MappedSegments
+
+        _mapped = MappedSegments()
+    _mapped.prune()
     metrics = _AttemptMetrics()
     registry = _CollectingRegistry()
     key = (job["base_path"], job["job_id"], job["local_dir"], job["compression"], job["buffer_size"])
@@ -108,7 +115,10 @@ def run_attempt(job: dict) -> dict:
             fd = segments.get(seg_name)
             if fd is None:
                 fd = segments[seg_name] = shm.open_readonly(seg_name)
-            sets = [SealedChangeSet(uuid.UUID(bytes=log_id), sqn, FileSpan(fd, off, length), size, num)
+            # mapped only where the kernel copies from it: raw bodies into a local file
+            m = (_mapped.get(seg_name, fd, max(off + length for off, length, *_ in items))
+                 if uploader.local_raw and items else None)
+            sets = [SealedChangeSet(uuid.UUID(bytes=log_id), sqn, FileSpan(fd, off, length, m), size, num)
                     for off, length, log_id, sqn, size, num in items]
             tasks.append(UploadTask(sets, _noop, _noop))
         try:
@@ -152,6 +162,8 @@ def worker_main(conn) -> None:
     from dstl.changelog.upload.service.protocol import (AttemptDone, AttemptFailed, Intent, Job, Stop,
                                                          WorkerReady, dispatch)
 
+    from dstl.changelog.upload.service.mapped import IDLE_S
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s uploader %(levelname)s %(message)s")
     _preload_user_modules()
@@ -172,6 +184,9 @@ def worker_main(conn) -> None:
     conn.send(WorkerReady(os.getpid()))
     while True:
         try:
+            if _mapped is not None and len(_mapped) and not conn.poll(IDLE_S):
+                _mapped.clear()  # idle: kept mappings would only pin segments the clients let go
+                continue
             msg = conn.recv()
         except (EOFError, OSError):
             return

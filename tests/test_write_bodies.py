@@ -1,0 +1,131 @@
+"""write_bodies (Cython and twin): sealed bodies and bytes-like bodies written back to back to real
+file descriptors give exactly the bytes of the bodies, to every descriptor, in any piece size; bad
+input and a failing write are clear errors."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+
+import numpy as np
+import pytest
+
+from dstl._fast import _buffer_py
+
+from format_helpers import CYTHON, impl_params
+
+
+def _write_bodies(impl):
+    if impl.name == "python":
+        return _buffer_py.write_bodies
+    from dstl._fast import _buffer
+    return _buffer.write_bodies
+
+
+@pytest.fixture(params=[512 << 10, 4096, 7])
+def piece(request):
+    """The Cython routine lays sealed bodies out piece by piece: small pieces split records and headers."""
+    if CYTHON is None:
+        yield request.param
+        return
+    from dstl._fast import _buffer
+    old = _buffer._set_piece_size(request.param)
+    try:
+        yield request.param
+    finally:
+        _buffer._set_piece_size(old)
+
+
+def _bodies_and_bytes(impl, seed: int):
+    rng = random.Random(seed)
+    bodies, expected = [], []
+    for kind in ("sealed", "bytes", "sealed", "view", "empty", "sealed"):
+        if kind in ("sealed", "empty"):
+            a, b = impl.ChangeBuffer(), impl.ChangeBuffer()
+            rows = 0 if kind == "empty" else rng.randint(1, 400)
+            lens = [rng.choice([0, 1, 4, 100, 3000]) for _ in range(rows)]
+            offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            kgs = np.array([rng.choice([-1, 0, 3, 127, 32767]) for _ in range(rows)], np.int32)
+            data = rng.randbytes(int(offs[-1]))
+            for buf in (a, b):
+                if rows:
+                    buf.append_many(kgs, data, offs)
+                buf.append(5, b"single")
+            expected.append(a.seal())
+            bodies.append(b.seal_body())
+        else:
+            raw = rng.randbytes(rng.randint(0, 5000))
+            expected.append(raw)
+            bodies.append(raw if kind == "bytes" else memoryview(bytearray(raw)))
+    return bodies, b"".join(expected)
+
+
+@impl_params
+@pytest.mark.parametrize("seed", range(6))
+def test_bodies_reach_every_descriptor_byte_for_byte(impl, seed, piece, tmp_path):
+    bodies, expected = _bodies_and_bytes(impl, seed)
+    paths = [tmp_path / "a", tmp_path / "b"]
+    fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL) for p in paths]
+    try:
+        os.write(fds[0], b"\x00")  # the flag byte: bodies go on at each descriptor's position
+        os.write(fds[1], b"\x00")
+        assert _write_bodies(impl)(fds, bodies) == len(expected)
+        assert _write_bodies(impl)(fds[:1], bodies[:1]) == len(bytes(bodies[0]))  # a body can be written again
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert paths[0].read_bytes() == b"\x00" + expected + bytes(bodies[0])
+    assert paths[1].read_bytes() == b"\x00" + expected
+
+
+@impl_params
+def test_nothing_to_write(impl, tmp_path):
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert _write_bodies(impl)([fd], []) == 0
+        assert _write_bodies(impl)([], [b"x"]) == 0
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b""
+
+
+@impl_params
+def test_bad_input_is_named(impl, tmp_path):
+    write_bodies = _write_bodies(impl)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(TypeError, match="body 1 is not a sealed body or a contiguous bytes-like object, got str"):
+            write_bodies([fd], [b"ok", "text"])
+        with pytest.raises(TypeError, match="body 0 .* got memoryview"):
+            write_bodies([fd], [memoryview(bytearray(8))[::2]])
+        with pytest.raises(ValueError, match="invalid file descriptor -1"):
+            write_bodies([-1], [b"x"])
+        with pytest.raises(ValueError, match="at most 4 file descriptors"):
+            write_bodies([fd] * 5, [b"x"])
+        with pytest.raises(TypeError, match="file descriptors must be ints, got str"):
+            write_bodies(["3"], [b"x"])
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b""  # checked before anything was written
+
+
+@impl_params
+def test_a_failing_write_is_an_oserror(impl, tmp_path):
+    buf = impl.ChangeBuffer()
+    buf.append(1, b"payload" * 100)
+    body = buf.seal_body()
+    (tmp_path / "ro").write_bytes(b"")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="write failed at byte 0") as info:
+            _write_bodies(impl)([fd], [body])
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
+def test_the_facade_picks_the_loaded_implementation():
+    from dstl import format as fmt
+    from dstl._impl import IMPLEMENTATION
+
+    assert fmt.write_bodies.__module__.endswith("_buffer_py" if IMPLEMENTATION == "python" else "_buffer")
