@@ -132,11 +132,14 @@ def test_append_many_sliced_arrow_array_with_nonzero_first_offset(impl):
     ([1, 2, 3], [0, 1, 2], "offsets must have len(key_groups) + 1 = 4 entries"),
     ([1, 2], [0, 1, 2, 3], "offsets must have len(key_groups) + 1 = 3 entries"),
 ])
-def test_append_many_is_all_or_nothing(impl, kgs, offsets, fragment):
+@pytest.mark.parametrize("dtypes", [(None, None), (np.int32, np.int64)], ids=["converted", "int32-int64"])
+def test_append_many_is_all_or_nothing(impl, kgs, offsets, fragment, dtypes):
+    """int32 key groups with int64 offsets are checked in one pass (Cython), others converted first:
+    both name the same first bad row."""
     buf = impl.ChangeBuffer()
     buf.append(0, b"kept")
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        buf.append_many(np.array(kgs), b"abcdef", np.array(offsets))
+        buf.append_many(np.array(kgs, dtypes[0]), b"abcdef", np.array(offsets, dtypes[1]))
     assert len(buf) == 1 and buf.size == 4 and buf.key_groups() == [0]
     assert _decode(buf.seal()) == [StateChange(0, b"kept")]
 
