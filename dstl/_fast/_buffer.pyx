@@ -612,8 +612,8 @@ cdef dict _spare_chunks = {}  # size -> reusable chunk buffers (touched already:
 cdef struct Cursor:
     int64_t phase           # 0 = count of groups, 1 = group header, 2 = records, 3 = done
     int64_t g               # current group
-    int64_t r               # current position in perm
-    int64_t stop            # end of the current group in perm
+    int64_t r               # current position in order
+    int64_t stop            # end of the current group in order
     int64_t done            # bytes of the current item already emitted
 
 
@@ -628,6 +628,13 @@ cdef inline int64_t copy_part(unsigned char* dst, int64_t room, const unsigned c
     return k
 
 
+cdef struct Rec:
+    # one change in canonical order: where its payload is and how long it is (read sequentially by the
+    # layout walk, instead of an index into two arrays read at random)
+    const unsigned char* src
+    int64_t length
+
+
 cdef struct BodyRef:
     # the parts of a SealedBody that laying it out reads: plain C, so it can be used without the GIL
     int64_t total, n, num_groups
@@ -635,7 +642,7 @@ cdef struct BodyRef:
     const int64_t* offs      # absolute payload addresses
     const int32_t* lens
     const int64_t* groups    # (key group, count) per group, canonical order
-    const int64_t* perm      # NULL until SealedBody._order built it
+    const Rec* order         # NULL until SealedBody._order built it
 
 
 cdef int scatter_body(const BodyRef* b, unsigned char* dst) noexcept nogil:
@@ -698,16 +705,13 @@ cdef int64_t fill_body(const BodyRef* b, unsigned char* out, int64_t room, Curso
         else:
             stop = c.stop
             while c.r < stop and filled < room:
-                i = b.perm[c.r]
-                length = b.lens[i]
-                src = <const unsigned char*>b.offs[i]
+                length = b.order[c.r].length
+                src = b.order[c.r].src
                 if c.done == 0 and room - filled >= 4 + length:  # the common case: whole record
                     ahead = c.r + PREFETCH_AHEAD
                     if ahead < n:  # the gather reads far apart records: ask for them early
-                        src = <const unsigned char*>b.offs[b.perm[ahead]]
-                        DSTL_PREFETCH(src)
-                        DSTL_PREFETCH(src + 64)
-                        src = <const unsigned char*>b.offs[i]
+                        DSTL_PREFETCH(b.order[ahead].src)
+                        DSTL_PREFETCH(b.order[ahead].src + 64)
                     put_be32(out + filled, <int32_t>length)
                     memcpy(out + filled + 4, src, length)
                     filled += 4 + length
@@ -746,7 +750,7 @@ cdef class SealedBody:
     cdef unsigned char* arena
     cdef int64_t cap, arena_cap  # allocated sizes of the record arrays and the arena
     cdef int64_t* groups    # (key group, count) per group, canonical order
-    cdef int64_t* perm      # record indices in canonical order (built on first write)
+    cdef Rec* order         # the records in canonical order (built on first write)
     cdef list sources
     cdef object _bytes
 
@@ -756,7 +760,7 @@ cdef class SealedBody:
         self.lens = NULL
         self.arena = NULL
         self.groups = NULL
-        self.perm = NULL
+        self.order = NULL
         self.cap = self.arena_cap = 0
         self.total = 4
         self.n = self.num_groups = 0
@@ -767,7 +771,7 @@ cdef class SealedBody:
         donate_records(self.kgs, self.offs, self.lens, self.cap)
         donate_arena(self.arena, self.arena_cap)
         free(self.groups)
-        free(self.perm)
+        free(self.order)
 
     def __len__(self):
         return self.total
@@ -802,17 +806,17 @@ cdef class SealedBody:
     cdef int _order(self) except -1:
         """Stable counting sort of the records by group (called with the GIL: built exactly once)."""
         cdef int64_t* start
-        cdef int64_t i, g, lo, span
-        cdef int64_t* perm
-        if self.perm != NULL or self.n == 0:
+        cdef int64_t i, g, lo, span, k
+        cdef Rec* order
+        if self.order != NULL or self.n == 0:
             return 0
         lo = self.groups[0]
         span = self.groups[2 * (self.num_groups - 1)] - lo + 1
         start = <int64_t*>malloc(span * sizeof(int64_t))
-        perm = <int64_t*>malloc(self.n * sizeof(int64_t))
-        if start == NULL or perm == NULL:
+        order = <Rec*>malloc(self.n * sizeof(Rec))
+        if start == NULL or order == NULL:
             free(start)
-            free(perm)
+            free(order)
             raise MemoryError()
         with nogil:
             i = 0
@@ -821,10 +825,12 @@ cdef class SealedBody:
                 i += self.groups[2 * g + 1]
             for i in range(self.n):
                 g = self.kgs[i] - lo
-                perm[start[g]] = i
-                start[g] += 1
+                k = start[g]
+                order[k].src = <const unsigned char*>self.offs[i]
+                order[k].length = self.lens[i]
+                start[g] = k + 1
         free(start)
-        self.perm = perm
+        self.order = order
         return 0
 
     def write_to(self, write, chunk_size=CHUNK):
@@ -945,7 +951,7 @@ cdef class SealedBody:
 cdef inline BodyRef body_ref(SealedBody body) noexcept:
     cdef BodyRef r
     r.total, r.n, r.num_groups = body.total, body.n, body.num_groups
-    r.kgs, r.offs, r.lens, r.groups, r.perm = body.kgs, body.offs, body.lens, body.groups, body.perm
+    r.kgs, r.offs, r.lens, r.groups, r.order = body.kgs, body.offs, body.lens, body.groups, body.order
     return r
 
 
