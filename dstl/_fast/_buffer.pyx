@@ -8,6 +8,7 @@ organised in runs; a run's payload lives in the arena or in one such source.
 
 Twin: dstl/_fast/_buffer_py.py (byte-identical output, same errors; `coerce_many` is shared).
 """
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_CheckExact
@@ -280,6 +281,7 @@ cdef class ChangeBuffer:
             raise RuntimeError("ChangeBuffer is in use by another thread (seal or append_many in progress)")
         return 0
 
+    @cython.binding(False)  # called per record: a plain method descriptor, without a bound-method object
     def append(self, key_group, data):
         """Add one change; `key_group` -1 is metadata."""
         cdef long kg
@@ -1140,6 +1142,7 @@ cdef class WriterCore:
             self._flusher = prev
         return 0
 
+    @cython.binding(False)  # a plain method descriptor: `writer.append` is then called like a C function
     def append(self, key_group, data):
         """Add one data change; may upload pre-emptively (and then block on back-pressure)."""
         cdef long kg
@@ -1173,6 +1176,7 @@ cdef class WriterCore:
         buf._add(<int32_t>kg, data)
         self._after()
 
+    @cython.binding(False)
     def append_meta(self, data):
         """Add one metadata change (key group -1; read back by every subtask on restore)."""
         self._enter()
