@@ -96,13 +96,15 @@ def write_per_record(storage, log_name: str, w: Workload, checkpoint_id: int) ->
     """One writer.append(kg, bytes) per change in a Python loop, persist(initial) and wait."""
     writer = storage.create_writer(log_name, w.key_group_range)
     append = writer.append
+    pids = _service_pids(storage)
+    c0 = cpu_seconds(pids)
     t0 = time.perf_counter()
     for kg, v in zip(w.kg_list, w.values):
         append(kg, v)
     t1 = time.perf_counter()
     handle = writer.persist(writer.initial_sequence_number(), checkpoint_id).result(PERSIST_TIMEOUT)
     elapsed = time.perf_counter() - t0
-    LAST_SPLIT.update(appends=t1 - t0, tail=elapsed - (t1 - t0))
+    LAST_SPLIT.update(appends=t1 - t0, tail=elapsed - (t1 - t0), cpu=cpu_seconds(pids) - c0)
     writer.close()
     return elapsed, handle.job_manager_owned_snapshot
 
