@@ -88,12 +88,15 @@ def test_public_names():
         assert getattr(dstl, name) is not None
 
 
-def test_close_waits_for_running_uploads_and_stops_its_threads(tmp_path):
+@pytest.mark.parametrize("delay", ["0 ms", "30 ms"])  # with a delay, the persist-delay timer thread runs too
+def test_close_waits_for_running_uploads_and_stops_its_threads(tmp_path, delay):
     before = set(threading.enumerate())
-    s = open_storage(str(tmp_path), upload_mode="thread", batch_persist_delay="0 ms")
+    s = open_storage(str(tmp_path), upload_mode="thread", batch_persist_delay=delay)
     w = s.create_writer("op", KeyGroupRange(0, 0))
     w.append(0, b"y" * 100_000)
     f = w.persist(0, 1)
+    if delay != "0 ms":
+        f.result(5)  # the timer thread drained the batch (close would fail a task still queued)
     w.truncate(w.next_sequence_number())  # schedules a deletion once the result arrives
     s.close()
     assert f.done()  # the running attempt finished before close returned
