@@ -222,3 +222,17 @@ def test_interval_and_deferred_error_act_through_the_bound_update(storage):  # n
     with pytest.raises(ValueError, match="positive int or None"):
         KeyedStateBackend(storage, "bad", FULL, MAXP, materialize_every_changes=0)
     b.close()
+
+
+# --- the adapters' plain-value encode ------------------------------------------------------------------
+
+@impl_params
+def test_plain_list_copies_exactly_typed_tuples_and_lists_only(mod):
+    types = (int, float, str)
+    for value in [(1, 2.5, "a"), [1, 2.5, "a"]]:
+        out = mod.plain_list(value, types)
+        assert out == [1, 2.5, "a"] and type(out) is list and out is not value
+    for value in [(1, 2, "a"), (True, 2.5, "a"), (1, 2.5), (1, 2.5, "a", None), (1, 2.5, None),
+                  Row(a=1, b=2.5, c="a"), _Pair(1, 2.5), "abc", None, {1: 2}]:
+        assert mod.plain_list(value, types) is None, value
+    assert mod.plain_list((), ()) == [] and mod.plain_list((True,), (bool,)) == [True]

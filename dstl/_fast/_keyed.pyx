@@ -403,3 +403,24 @@ cdef class StateAppender:
         else:
             k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
         return g
+
+
+def plain_list(value, tuple types):
+    """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
+    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    cdef Py_ssize_t i, n = len(types)
+    if PyTuple_CheckExact(value):
+        if len(<tuple>value) != n:
+            return None
+        for i in range(n):
+            if type((<tuple>value)[i]) is not (<tuple>types)[i]:
+                return None
+        return list(<tuple>value)
+    if PyList_CheckExact(value):
+        if len(<list>value) != n:
+            return None
+        for i in range(n):
+            if type((<list>value)[i]) is not (<tuple>types)[i]:
+                return None
+        return list(<list>value)
+    return None

@@ -159,3 +159,11 @@ class StateAppender:
         k = self.appender
         if k.due():
             k.backend._mutated()
+
+
+def plain_list(value: Any, types: tuple) -> Any:
+    """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
+    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    if type(value) in (tuple, list) and tuple(map(type, value)) == types:
+        return list(value)
+    return None
