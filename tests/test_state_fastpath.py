@@ -236,3 +236,38 @@ def test_plain_list_copies_exactly_typed_tuples_and_lists_only(mod):
                   Row(a=1, b=2.5, c="a"), _Pair(1, 2.5), "abc", None, {1: 2}]:
         assert mod.plain_list(value, types) is None, value
     assert mod.plain_list((), ()) == [] and mod.plain_list((True,), (bool,)) == [True]
+
+
+# --- the kernel's per-key-group cache sees every other path ----------------------------------------------
+
+def test_bound_get_sees_what_other_paths_write_and_nothing_after_close(storage):  # noqa: F811
+    from dstl.state.backend import KeyedStateBackend
+    from dstl.state.value import ValueState
+
+    b = KeyedStateBackend(storage, "cache", FULL, MAXP)
+    v = b.value_state("v")
+    keys = list(range(300)) + [f"u{i}" for i in range(300)]
+    assert all(v.get(k) is None for k in keys)  # no group has entries yet: nothing cached
+    v.update_many(keys[:200], list(range(200)))  # the bulk path creates the groups' tables
+    v.update(0, "bound")
+    assert [v.get(k) for k in keys[:200]] == ["bound"] + list(range(1, 200))
+    for k in keys[200:]:
+        v.update(k, k)
+    v.clear(5)
+    ValueState.update.__get__(v)(6, "class")  # the class's path writes into the same tables
+    v.update_many([7, 8], [None, "many"])
+    slow_get = ValueState.get.__get__(v)
+    before = [slow_get(k) for k in keys]
+    assert [v.get(k) for k in keys] == before
+    assert (v.get(5), v.get(6), v.get(7), v.get(8), v.get("u299")) == (None, "class", None, "many", "u299")
+    snap = b.snapshot(1).result(30)
+    b.close()
+    assert v.get("u299") is None and v.get(8, "gone") == "gone"  # the closed backend holds nothing
+
+    r = KeyedStateBackend.restore(storage, "cache", FULL, MAXP, [snap])
+    rv = r.get_state("v")
+    assert rv.get.__name__ == "value_get" and [rv.get(k) for k in keys] == before
+    rv.update("u1", 1)
+    r.materialize()
+    assert rv.get("u1") == 1 and rv.get(199) == 199
+    r.close()

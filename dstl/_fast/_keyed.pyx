@@ -52,7 +52,8 @@ cdef class KeyedAppender:
     cdef public int64_t changes, nbytes
     cdef public int64_t every_changes, every_bytes  # the backend's materialize_every_*; 0: none
     cdef public object deferred_error
-    cdef public bint closed
+    cdef bint _closed
+    cdef list states  # the StateAppenders handed out (their table caches are dropped on close)
     cdef unsigned char* buf
     cdef Py_ssize_t cap
 
@@ -67,9 +68,23 @@ cdef class KeyedAppender:
         self.kg_end = key_group_range.end
         self.buf = NULL
         self.cap = 0
+        self.states = []
 
     def __dealloc__(self):
         free(self.buf)
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @closed.setter
+    def closed(self, bint value):
+        """Closing refuses further appends and drops the states' table caches (the backend clears
+        its table then)."""
+        self._closed = value
+        if value:
+            for s in self.states:
+                (<StateAppender>s).slots = None
 
     cdef inline long _kg(self, key) except -1:
         cdef long g
@@ -88,7 +103,7 @@ cdef class KeyedAppender:
         return self._kg(key)
 
     cdef int _append(self, long kg, bytes payload) except -1:
-        if self.closed:
+        if self._closed:
             raise closed_error(self.backend)
         try:
             self.writer_append(kg, payload)
@@ -119,6 +134,9 @@ cdef class KeyedAppender:
         s.sid = state_id
         s.name = name
         s.tables = self.backend._table
+        if not self._closed:
+            s.slots = [None] * (self.kg_end - self.kg_start + 1)
+        self.states.append(s)
         return s
 
     cdef inline int _reserve(self, Py_ssize_t need) except -1:
@@ -305,6 +323,10 @@ cdef class StateAppender:
     cdef readonly object name
     cdef object sid
     cdef dict tables
+    # per key group of the backend's range, this state's {key: value} of that group once it exists:
+    # a list index instead of two dict lookups. The table never replaces or drops such a dict while the
+    # backend is open (entries are only added, changed and removed inside it); None once closed.
+    cdef list slots
     cdef int set_op
     cdef object slow_get, slow_update  # the state's own methods, for what the fast path leaves to them
 
@@ -318,19 +340,37 @@ cdef class StateAppender:
         self._put(g, key, value)
         return g
 
-    cdef inline int _put(self, long g, key, value) except -1:
-        # `value` becomes the key's entry in this state's table of key group `g`
-        cdef PyObject* t = PyDict_GetItemWithError(self.tables, g)
+    cdef inline object _entries(self, long g, bint create):
+        """This state's {key: value} of key group `g` (in the backend's range); None when it has none
+        and not `create`."""
+        cdef PyObject* t
         cdef PyObject* s
+        cdef Py_ssize_t i = g - self.k.kg_start
+        if self.slots is not None:
+            d = (<list>self.slots)[i]
+            if d is not None:
+                return d
+        t = PyDict_GetItemWithError(self.tables, g)
         if t == NULL:
+            if not create:
+                return None
             table = self.tables[g] = {}
         else:
             table = <object>t
         s = PyDict_GetItemWithError(table, self.name)
-        if s == NULL:
-            (<dict>table)[self.name] = {key: value}
+        if s != NULL:
+            d = <object>s
+        elif create:
+            d = (<dict>table)[self.name] = {}
         else:
-            (<dict>(<object>s))[key] = value
+            return None
+        if self.slots is not None:
+            (<list>self.slots)[i] = d
+        return d
+
+    cdef inline int _put(self, long g, key, value) except -1:
+        # `value` becomes the key's entry in this state's table of key group `g`
+        (<dict>self._entries(g, True))[key] = value
         return 0
 
     def change(self, int op, key, *fields):
@@ -347,17 +387,12 @@ cdef class StateAppender:
 
     def value_get(self, key, default=None):
         """ValueState.get (see bind_value)."""
-        cdef PyObject* t
-        cdef PyObject* s
         if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return self.slow_get(key, default)
-        t = PyDict_GetItemWithError(self.tables, self.k._kg(key))
-        if t == NULL:
+        d = self._entries(self.k._kg(key), False)
+        if d is None:
             return default
-        s = PyDict_GetItemWithError(<object>t, self.name)
-        if s == NULL:
-            return default
-        return (<dict>(<object>s)).get(key, default)
+        return (<dict>d).get(key, default)
 
     def value_update(self, key, value):
         """ValueState.update (see bind_value): logs SET, sets the entry, then the backend's `_mutated`
