@@ -1,6 +1,7 @@
 """ValueState.update/get per key against a plain dict, and optionally against a baseline checkout of
 dstl, interleaved in one run, timed in the thread's CPU time (`time.thread_time_ns`), so that time the
-OS gives to other jobs on a loaded machine is not counted.
+OS gives to other jobs on a loaded machine is not counted (`--clock wall`: wall time, as `make
+bench-flink` times it).
 
 Each side (this checkout, and the baseline with --baseline-dir) runs in its own Python process; the
 parent asks them for one round at a time, in turn, so both sides see the same machine. A round times,
@@ -29,33 +30,34 @@ import sys
 import tempfile
 import time
 
+CLOCK = time.thread_time_ns  # --clock wall: time.perf_counter_ns (what `make bench-flink` times)
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = ("dict set", "dict get", "update", "get", "adapter")
 
 
 def _set_loop(d, ids, vals) -> int:
-    t = time.thread_time_ns()
+    t = CLOCK()
     for k, x in zip(ids, vals):
         d[k] = x
-    return time.thread_time_ns() - t
+    return CLOCK() - t
 
 
 def _call2_loop(fn, ids, vals) -> int:
-    t = time.thread_time_ns()
+    t = CLOCK()
     for k, x in zip(ids, vals):
         fn(k, x)
-    return time.thread_time_ns() - t
+    return CLOCK() - t
 
 
 def _call1_loop(fn, ids) -> int:
-    t = time.thread_time_ns()
+    t = CLOCK()
     for k in ids:
         fn(k)
-    return time.thread_time_ns() - t
+    return CLOCK() - t
 
 
 def _adapter_loop(handle, adapter, ids, vals) -> int:
-    t = time.thread_time_ns()
+    t = CLOCK()
     for k, x in zip(ids, vals):
         handle._key = k
         old = adapter.get()
@@ -63,7 +65,7 @@ def _adapter_loop(handle, adapter, ids, vals) -> int:
             adapter.update((1, x))
         else:
             adapter.update((old[0] + 1, old[1] + x))
-    return time.thread_time_ns() - t
+    return CLOCK() - t
 
 
 def child(calls: int, keys: list) -> int:
@@ -111,10 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default="1000,100000", help="comma-separated key counts")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--baseline-dir", help="a built dstl checkout to compare with")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     keys = [int(k) for k in args.keys.split(",")]
     if args.child:
+        global CLOCK
+        CLOCK = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
         return child(args.calls, keys)
 
     sides = {"this": HERE}
@@ -124,7 +129,8 @@ def main(argv=None) -> int:
     for name, root in sides.items():
         env = dict(os.environ, PYTHONPATH=root, OPENBLAS_NUM_THREADS="1")
         procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "--calls",
-                                        str(args.calls), "--keys", args.keys], cwd=root, env=env,
+                                        str(args.calls), "--keys", args.keys, "--clock", args.clock],
+                                       cwd=root, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info[name] = json.loads(procs[name].stdout.readline())
     res = {name: {n: {op: [] for op in OPS} for n in keys} for name in sides}
@@ -152,7 +158,8 @@ def main(argv=None) -> int:
         r = [x / y for x, y in zip(a, b)]
         return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
-    print(f"ValueState per key, {args.calls:,} calls a round, {args.rounds} interleaved rounds, thread CPU time, "
+    clock = "thread CPU time" if args.clock == "thread" else "wall time"
+    print(f"ValueState per key, {args.calls:,} calls a round, {args.rounds} interleaved rounds, {clock}, "
           f"load {min(loads):.1f}-{max(loads):.1f}")
     for name in sides:
         print(f"  {name}: {info[name]['dstl']} ({info[name]['implementation']})")

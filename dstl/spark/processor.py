@@ -37,10 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from dstl._impl import kernel
 from dstl.state.schema import StateSchema
-
-_plain_list = kernel("_keyed").plain_list  # list(value) if its items have exactly the plain types, else None
+from dstl.state.value import plain_list as _plain_list
 
 TIME_MODES = {"none": "None", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
 
