@@ -12,7 +12,8 @@ for each key count, `calls` calls of:
   get            ValueState.get(k)
   adapter        a StatefulProcessor's ValueState, as the Row and pandas runners give it: per key
                  `get()` then `update((events, total))`, the grouping key set as the runner sets it
-The backend has a materialization interval set (as StatefulStream sets one) that is never reached.
+The backend has a materialization interval set (as StatefulStream sets one) that is never reached;
+`--interval 0` runs without one (a bare KeyedStateBackend's default).
 
 Usage: .venv/bin/python bench/flink/state_calls_ab.py [--calls N] [--keys 1000,100000] [--rounds R]
            [--baseline-dir DIR]
@@ -68,7 +69,7 @@ def _adapter_loop(handle, adapter, ids, vals) -> int:
     return CLOCK() - t
 
 
-def child(calls: int, keys: list) -> int:
+def child(calls: int, keys: list, interval: int) -> int:
     """One side: waits for "round" lines on stdin, answers each with one JSON line of ns per call."""
     import numpy as np
 
@@ -84,7 +85,8 @@ def child(calls: int, keys: list) -> int:
         for n in keys:
             ids = rng.integers(0, n, calls).tolist()
             vals = rng.integers(0, 1_000_000, calls).tolist()
-            b = KeyedStateBackend(storage, f"ab-{n}", KeyGroupRange(0, 127), 128, materialize_every_changes=10**15)
+            b = KeyedStateBackend(storage, f"ab-{n}", KeyGroupRange(0, 127), 128,
+                                  materialize_every_changes=interval or None)
             handle = ProcessorHandle(b)
             work[n] = (ids, vals, b, b.value_state("v"), handle,
                        handle.getValueState("totals", "events long, total long"))
@@ -114,13 +116,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--baseline-dir", help="a built dstl checkout to compare with")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    ap.add_argument("--interval", type=int, default=10**15, help="materialize_every_changes (0: none)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     keys = [int(k) for k in args.keys.split(",")]
     if args.child:
         global CLOCK
         CLOCK = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
-        return child(args.calls, keys)
+        return child(args.calls, keys, args.interval)
 
     sides = {"this": HERE}
     if args.baseline_dir:
@@ -129,7 +132,8 @@ def main(argv=None) -> int:
     for name, root in sides.items():
         env = dict(os.environ, PYTHONPATH=root, OPENBLAS_NUM_THREADS="1")
         procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "--calls",
-                                        str(args.calls), "--keys", args.keys, "--clock", args.clock],
+                                        str(args.calls), "--keys", args.keys, "--clock", args.clock,
+                                        "--interval", str(args.interval)],
                                        cwd=root, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info[name] = json.loads(procs[name].stdout.readline())
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
 
     clock = "thread CPU time" if args.clock == "thread" else "wall time"
     print(f"ValueState per key, {args.calls:,} calls a round, {args.rounds} interleaved rounds, {clock}, "
-          f"load {min(loads):.1f}-{max(loads):.1f}")
+          f"load {min(loads):.1f}-{max(loads):.1f}, materialize_every_changes={args.interval or None}")
     for name in sides:
         print(f"  {name}: {info[name]['dstl']} ({info[name]['implementation']})")
     for n in keys:
