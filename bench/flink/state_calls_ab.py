@@ -6,6 +6,8 @@ bench-flink` times it).
 Each side (this checkout, and the baseline with --baseline-dir) runs in its own Python process; the
 parent asks them for one round at a time, in turn, so both sides see the same machine. A round times,
 for each key count, `calls` calls of:
+  call floor 2   `operator.is_(k, x)`: a C function that does nothing with update's two arguments
+  call floor 1   `operator.index(k)`: the same with get's one argument (returns k itself)
   dict set       `d[k] = x` inline (no call: the interpreter's floor for a keyed write)
   dict get       `d.get(k)` (a C method call, the same call shape as `get`)
   update         ValueState.update(k, x): key group, change encoded and appended, table entry set
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import statistics
 import subprocess
@@ -33,7 +36,7 @@ import time
 
 CLOCK = time.thread_time_ns  # --clock wall: time.perf_counter_ns (what `make bench-flink` times)
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPS = ("dict set", "dict get", "update", "get", "adapter")
+OPS = ("call floor 2", "call floor 1", "dict set", "dict get", "update", "get", "adapter")
 
 
 def _set_loop(d, ids, vals) -> int:
@@ -98,7 +101,9 @@ def child(calls: int, keys: list, interval: int) -> int:
             out = {}
             for n, (ids, vals, b, v, handle, adapter) in work.items():
                 d: dict = {}
-                out[n] = {"dict set": _set_loop(d, ids, vals) / calls,
+                out[n] = {"call floor 2": _call2_loop(operator.is_, ids, vals) / calls,
+                          "call floor 1": _call1_loop(operator.index, ids) / calls,
+                          "dict set": _set_loop(d, ids, vals) / calls,
                           "dict get": _call1_loop(d.get, ids) / calls,
                           "update": _call2_loop(v.update, ids, vals) / calls,
                           "get": _call1_loop(v.get, ids) / calls,
@@ -170,11 +175,13 @@ def main(argv=None) -> int:
     for n in keys:
         print(f"{n:,} int keys: medians (min-max)")
         for op in OPS:
-            print(f"  {op:9s} " + "   ".join(f"{name} {med(res[name][n][op])}" for name in sides))
+            print(f"  {op:12s} " + "   ".join(f"{name} {med(res[name][n][op])}" for name in sides))
         for name in sides:
             x = res[name][n]
             print(f"  {name}: update / dict set {ratio(x['update'], x['dict set'])}, "
-                  f"get / dict get {ratio(x['get'], x['dict get'])} (per round)")
+                  f"get / dict get {ratio(x['get'], x['dict get'])}; update / call floor "
+                  f"{ratio(x['update'], x['call floor 2'])}, get / call floor {ratio(x['get'], x['call floor 1'])} "
+                  f"(per round)")
         if args.baseline_dir:
             for op in ("update", "get", "adapter"):
                 print(f"  {op}: before / after, per round: "
