@@ -121,7 +121,7 @@ def test_closed_and_deferred_append_errors(mod):
     k, log, backend = _appender(mod, fail=OSError("pre-emptive upload failed"))
     s = k.for_state(1, "s")
     assert s.change(C.SET, 7, 1) == _hash_py.assign_to_key_group(7, 128)
-    assert isinstance(backend._deferred_error, OSError) and len(log) == 1 and k.changes == 1
+    assert isinstance(k.deferred_error, OSError) and len(log) == 1 and k.changes == 1
     k.closed = True
     with pytest.raises(RuntimeError, match="keyed state backend 'op' KeyGroupRange.0, 127. is closed"):
         s.change(C.SET, 7, 1)
@@ -171,12 +171,11 @@ def test_set_logs_the_change_then_fills_the_table(mod):
 def test_bound_value_get_and_update_log_fill_and_defer_like_the_state_methods(mod):
     """bind_value's update logs SET and fills the table (the bytes changes.encode gives); None values
     and other key types go to the state's own methods; _mutated runs only when the backend has
-    something to check (a deferred append error, a materialization interval), and then raises it."""
+    something to do (a deferred append error, a reached materialization interval), and then raises it."""
     k, log, backend = _appender(mod)
-    backend.materialize_every_changes = backend.materialize_every_bytes = None
     slow = []
     mutated = []
-    backend._mutated = lambda: mutated.append(backend._deferred_error)
+    backend._mutated = lambda: mutated.append(k.deferred_error)
     get, update = k.for_state(4, "v").bind_value(
         C.SET, lambda key, default: slow.append(("get", key, default)) or "slow",
         lambda key, value: slow.append(("update", key, value)))
@@ -190,11 +189,14 @@ def test_bound_value_get_and_update_log_fill_and_defer_like_the_state_methods(mo
     update(True, 1)
     assert get(1.5, "d") == "slow"
     assert slow == [("update", "ann", None), ("update", True, 1), ("get", 1.5, "d")]
-    backend.materialize_every_changes = 10
+    k.every_changes = 10  # not reached: nothing to do
+    update(3, 3)
+    assert mutated == [] and k.changes == 2
+    k.every_changes = 3
     update(3, 4)
     assert mutated == [None]
-    backend.materialize_every_changes = None
-    backend._deferred_error = OSError("pre-emptive upload failed")
+    k.every_changes = 0
+    k.deferred_error = OSError("pre-emptive upload failed")
     update(3, 5)
     assert len(mutated) == 2 and isinstance(mutated[1], OSError)
     with pytest.raises(ValueError, match="outside this backend's range"):

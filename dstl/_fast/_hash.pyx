@@ -22,6 +22,7 @@ cdef extern from "Python.h":
     char* PyByteArray_AS_STRING(object o)
     Py_ssize_t PyByteArray_GET_SIZE(object o)
     long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+    bint PyLong_CheckExact(object o)
 
 cdef enum:
     MAX_PARALLELISM_UPPER_BOUND = 32768
@@ -88,6 +89,10 @@ cdef inline uint32_t _bytes_hash(const char* p, Py_ssize_t n) noexcept nogil:
 cdef uint32_t _java_hash(object key) except? 0xFFFFFFFF:
     cdef int overflow = 0
     cdef long long v
+    if PyLong_CheckExact(key):  # the common key first: no isinstance chain, no int() call
+        v = PyLong_AsLongLongAndOverflow(key, &overflow)
+        if not overflow:
+            return _long_hash(v)
     if isinstance(key, str):
         return _str_hash(<str>key)
     if isinstance(key, bytes):

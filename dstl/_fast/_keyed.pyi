@@ -1,17 +1,23 @@
 """Type stubs for the Cython module `dstl._fast._keyed` (twin: `_keyed_py.py`): the single-key path
 of keyed state (key -> key group, change payload, writer append)."""
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from dstl.types import KeyGroupRange
+
+def plain_list(value: Any, types: tuple) -> Optional[list]: ...
 
 class KeyedAppender:
     changes: int
     nbytes: int
+    every_changes: int  # the backend's materialize_every_changes; 0: none
+    every_bytes: int
+    deferred_error: Optional[BaseException]
     closed: bool
     writer_append: Callable[[int, bytes], None]
     def __init__(self, backend: Any, writer_append: Callable[[int, bytes], None], max_parallelism: int,
                  key_group_range: KeyGroupRange) -> None: ...
     def kg(self, key: Any) -> int: ...
+    def due(self) -> bool: ...
     def append(self, kg: int, payload: bytes) -> None: ...
     def for_state(self, state_id: int, name: str) -> "StateAppender": ...
 

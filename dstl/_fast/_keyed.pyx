@@ -1,14 +1,21 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, binding=False
 """Cython single-key path of keyed state: key -> key group, change payload, writer append.
 
 `StateAppender.change(op, key, *fields)` checks the key, computes its key group, encodes the payload
 (operation byte + msgpack array `[state_id, key, fields...]`) straight into a reused buffer (ints,
-str, bytes, floats, bools and None by hand, anything else through msgpack) and appends it.
-Twin: dstl/_fast/_keyed_py.py (byte-identical payloads, same errors).
+str, bytes, floats, bools, None and lists, tuples and dicts of them by hand, anything else through
+msgpack) and appends it. Twin: dstl/_fast/_keyed_py.py (byte-identical payloads, same errors).
+
+`binding=False`: the methods are plain C methods, so a bound `value_get`/`value_update` is a
+builtin method that CPython calls straight through its vectorcall slot (no Python method object).
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_CheckExact
 from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_CheckExact
+from cpython.list cimport PyList_CheckExact
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_CheckExact
 from cpython.unicode cimport PyUnicode_CheckExact
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, realloc
@@ -21,22 +28,32 @@ from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
 
 
 cdef object _packb = msgpack.packb
 
+cdef enum:
+    # lists/tuples/dicts nested deeper than this are packed by msgpack (with its own recursion limit)
+    MAX_DEPTH = 32
+    # pack_obj's "let msgpack pack the whole payload" (too deep, too long)
+    WHOLE = -2
+
 
 cdef class KeyedAppender:
-    """The appends of one keyed state backend: key -> key group, writer append, change counters
-    (see the twin for the contract)."""
+    """The appends of one keyed state backend: key -> key group, writer append, change counters,
+    the deferred append error and the materialization interval (see the twin for the contract)."""
     cdef readonly object backend
     cdef public object writer_append
     cdef readonly object key_group_range
     cdef object maxp_obj
-    cdef int32_t maxp
+    cdef int32_t maxp, mask
     cdef readonly long kg_start, kg_end
     cdef public int64_t changes, nbytes
-    cdef public bint closed
+    cdef public int64_t every_changes, every_bytes  # the backend's materialize_every_*; 0: none
+    cdef public object deferred_error
+    cdef bint _closed
+    cdef list states  # the StateAppenders handed out (their table caches are dropped on close)
     cdef unsigned char* buf
     cdef Py_ssize_t cap
 
@@ -45,32 +62,53 @@ cdef class KeyedAppender:
         self.writer_append = writer_append
         self.maxp_obj = max_parallelism
         self.maxp = max_parallelism
+        self.mask = self.maxp - 1 if self.maxp & (self.maxp - 1) == 0 else -1
         self.key_group_range = key_group_range
         self.kg_start = key_group_range.start
         self.kg_end = key_group_range.end
         self.buf = NULL
         self.cap = 0
+        self.states = []
 
     def __dealloc__(self):
         free(self.buf)
 
-    cpdef long kg(self, key) except -1:
+    @property
+    def closed(self):
+        return self._closed
+
+    @closed.setter
+    def closed(self, bint value):
+        """Closing refuses further appends and drops the states' table caches (the backend clears
+        its table then)."""
+        self._closed = value
+        if value:
+            for s in self.states:
+                (<StateAppender>s).slots = None
+
+    cdef inline long _kg(self, key) except -1:
         cdef long g
+        cdef int32_t m
         if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return key_group_of(key, self.maxp_obj, self.kg_start, self.kg_end, self.key_group_range)
-        g = _murmur(_java_hash(key)) % self.maxp
+        m = _murmur(_java_hash(key))
+        g = (m & self.mask) if self.mask >= 0 else (m % self.maxp)  # murmur is never negative
         if g < self.kg_start or g > self.kg_end:
             raise ValueError(f"key {key!r} belongs to key group {g}, outside this backend's range "
                              f"{self.key_group_range}")
         return g
 
+    def kg(self, key):
+        """The key group of a state key (TypeError/ValueError as `key_group_of`)."""
+        return self._kg(key)
+
     cdef int _append(self, long kg, bytes payload) except -1:
-        if self.closed:
+        if self._closed:
             raise closed_error(self.backend)
         try:
             self.writer_append(kg, payload)
         except OSError as exc:
-            self.backend._deferred_error = exc
+            self.deferred_error = exc
         self.changes += 1
         self.nbytes += PyBytes_GET_SIZE(payload)
         return 0
@@ -79,6 +117,16 @@ cdef class KeyedAppender:
         """Log one encoded change of key group `kg`."""
         self._append(kg, payload)
 
+    cdef inline bint _due(self) noexcept:
+        """What the backend's `_mutated` would act on: a deferred append error, a reached interval."""
+        return self.deferred_error is not None \
+            or (self.every_changes != 0 and self.changes >= self.every_changes) \
+            or (self.every_bytes != 0 and self.nbytes >= self.every_bytes)
+
+    def due(self):
+        """True when the backend's `_mutated` has something to do."""
+        return self._due()
+
     def for_state(self, state_id, name):
         cdef StateAppender s = StateAppender.__new__(StateAppender)
         s.k = self
@@ -86,6 +134,9 @@ cdef class KeyedAppender:
         s.sid = state_id
         s.name = name
         s.tables = self.backend._table
+        if not self._closed:
+            s.slots = [None] * (self.kg_end - self.kg_start + 1)
+        self.states.append(s)
         return s
 
     cdef inline int _reserve(self, Py_ssize_t need) except -1:
@@ -161,11 +212,12 @@ cdef inline Py_ssize_t pack_int(unsigned char* p, int64_t d) noexcept:
 
 cdef inline Py_ssize_t pack_head(unsigned char* p, Py_ssize_t n, int fix, int fixmax, int c8, int c16,
                                  int c32) noexcept:
-    """A str/bin header: fix form (when fix >= 0 and n < fixmax), then 8/16/32-bit lengths."""
+    """A str/bin/array/map header: fix form (when fix >= 0 and n < fixmax), then 8/16/32-bit
+    lengths (c8 < 0: no 8-bit form, as for arrays and maps)."""
     if fix >= 0 and n < fixmax:
         p[0] = <unsigned char>(fix | n)
         return 1
-    if n < 256:
+    if c8 >= 0 and n < 256:
         p[0] = <unsigned char>c8
         p[1] = <unsigned char>n
         return 2
@@ -178,11 +230,13 @@ cdef inline Py_ssize_t pack_head(unsigned char* p, Py_ssize_t n, int fix, int fi
     return 5
 
 
-cdef Py_ssize_t pack_obj(KeyedAppender k, Py_ssize_t pos, object o) except -1:
-    """Append msgpack of `o` at k.buf[pos:]; returns the new position. Raises what msgpack raises."""
+cdef Py_ssize_t pack_obj(KeyedAppender k, Py_ssize_t pos, object o, int depth) except -1:
+    """Append msgpack of `o` at k.buf[pos:]; returns the new position, or WHOLE when msgpack must
+    pack the whole payload (nesting beyond MAX_DEPTH or a container beyond 32-bit lengths: its limits
+    and errors then apply as they do in the twin). Raises what msgpack raises."""
     cdef long long d
     cdef int overflow = 0
-    cdef Py_ssize_t n
+    cdef Py_ssize_t n, i
     cdef const char* s
     cdef double f
     cdef uint64_t bits
@@ -201,17 +255,6 @@ cdef Py_ssize_t pack_obj(KeyedAppender k, Py_ssize_t pos, object o) except -1:
             pos += pack_head(k.buf + pos, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
             memcpy(k.buf + pos, s, n)
             return pos + n
-    elif PyBytes_CheckExact(o):
-        n = PyBytes_GET_SIZE(o)
-        if n <= 0xFFFFFFFF:
-            k._reserve(pos + 5 + n)
-            pos += pack_head(k.buf + pos, n, -1, 0, 0xc4, 0xc5, 0xc6)
-            memcpy(k.buf + pos, PyBytes_AS_STRING(o), n)
-            return pos + n
-    elif o is None or o is True or o is False:
-        k._reserve(pos + 1)
-        k.buf[pos] = 0xc0 if o is None else (0xc3 if o is True else 0xc2)
-        return pos + 1
     elif PyFloat_CheckExact(o):
         f = PyFloat_AS_DOUBLE(o)
         memcpy(&bits, &f, 8)
@@ -219,6 +262,52 @@ cdef Py_ssize_t pack_obj(KeyedAppender k, Py_ssize_t pos, object o) except -1:
         k.buf[pos] = 0xcb
         be64(k.buf + pos + 1, bits)
         return pos + 9
+    elif o is None or o is True or o is False:
+        k._reserve(pos + 1)
+        k.buf[pos] = 0xc0 if o is None else (0xc3 if o is True else 0xc2)
+        return pos + 1
+    elif PyList_CheckExact(o) or PyTuple_CheckExact(o):
+        n = len(o)
+        if depth >= MAX_DEPTH or n > 0xFFFFFFFF:
+            return WHOLE
+        k._reserve(pos + 5)
+        pos += pack_head(k.buf + pos, n, 0x90, 16, -1, 0xdc, 0xdd)
+        if PyList_CheckExact(o):
+            for i in range(n):
+                if i >= len(<list>o):  # cannot shrink while packing (no Python code runs); guarded anyway
+                    raise RuntimeError("list changed size during packing")
+                pos = pack_obj(k, pos, (<list>o)[i], depth + 1)
+                if pos == WHOLE:
+                    return WHOLE
+        else:
+            for i in range(n):
+                pos = pack_obj(k, pos, (<tuple>o)[i], depth + 1)
+                if pos == WHOLE:
+                    return WHOLE
+        return pos
+    elif PyDict_CheckExact(o):
+        n = len(o)
+        if depth >= MAX_DEPTH or n > 0xFFFFFFFF:
+            return WHOLE
+        k._reserve(pos + 5)
+        pos += pack_head(k.buf + pos, n, 0x80, 16, -1, 0xde, 0xdf)
+        for key, value in (<dict>o).items():  # dict order, as msgpack iterates it
+            pos = pack_obj(k, pos, key, depth + 1)
+            if pos == WHOLE:
+                return WHOLE
+            pos = pack_obj(k, pos, value, depth + 1)
+            if pos == WHOLE:
+                return WHOLE
+        return pos
+    elif PyBytes_CheckExact(o):
+        n = PyBytes_GET_SIZE(o)
+        if n <= 0xFFFFFFFF:
+            k._reserve(pos + 5 + n)
+            pos += pack_head(k.buf + pos, n, -1, 0, 0xc4, 0xc5, 0xc6)
+            memcpy(k.buf + pos, PyBytes_AS_STRING(o), n)
+            return pos + n
+    # anything else (subclasses, ints beyond int64, sets, ...): msgpack's own bytes or error; packing
+    # an element on its own gives the bytes it has inside a container
     packed = _packb(o, use_bin_type=True)
     n = PyBytes_GET_SIZE(packed)
     k._reserve(pos + n)
@@ -234,6 +323,10 @@ cdef class StateAppender:
     cdef readonly object name
     cdef object sid
     cdef dict tables
+    # per key group of the backend's range, this state's {key: value} of that group once it exists:
+    # a list index instead of two dict lookups. The table never replaces or drops such a dict while the
+    # backend is open (entries are only added, changed and removed inside it); None once closed.
+    cdef list slots
     cdef int set_op
     cdef object slow_get, slow_update  # the state's own methods, for what the fast path leaves to them
 
@@ -243,22 +336,45 @@ cdef class StateAppender:
 
     def set(self, int op, key, logged, value):
         """`change(op, key, logged)`, then `value` becomes the key's entry in this state's table."""
-        cdef long g = self._change(op, key, (logged,))
+        cdef long g = self._change(op, key, None, logged)
         self._put(g, key, value)
         return g
 
-    cdef inline void _put(self, long g, key, value) except *:
+    cdef inline object _entries(self, long g, bint create):
+        """This state's {key: value} of key group `g` (in the backend's range); None when it has none
+        and not `create`."""
+        cdef PyObject* t
+        cdef PyObject* s
+        cdef Py_ssize_t i = g - self.k.kg_start
+        if self.slots is not None:
+            d = (<list>self.slots)[i]
+            if d is not None:
+                return d
+        t = PyDict_GetItemWithError(self.tables, g)
+        if t == NULL:
+            if not create:
+                return None
+            table = self.tables[g] = {}
+        else:
+            table = <object>t
+        s = PyDict_GetItemWithError(table, self.name)
+        if s != NULL:
+            d = <object>s
+        elif create:
+            d = (<dict>table)[self.name] = {}
+        else:
+            return None
+        if self.slots is not None:
+            (<list>self.slots)[i] = d
+        return d
+
+    cdef inline int _put(self, long g, key, value) except -1:
         # `value` becomes the key's entry in this state's table of key group `g`
-        t = self.tables.get(g)
-        if t is None:
-            t = self.tables[g] = {}
-        s = (<dict>t).get(self.name)
-        if s is None:
-            s = (<dict>t)[self.name] = {}
-        (<dict>s)[key] = value
+        (<dict>self._entries(g, True))[key] = value
+        return 0
 
     def change(self, int op, key, *fields):
-        return self._change(op, key, fields)
+        return self._change(op, key, fields, None)
 
     def bind_value(self, int set_op, slow_get, slow_update):
         """`(get, update)` of a ValueState with a native serializer as two bound C methods: an int, str
@@ -271,48 +387,75 @@ cdef class StateAppender:
 
     def value_get(self, key, default=None):
         """ValueState.get (see bind_value)."""
-        cdef long g
         if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return self.slow_get(key, default)
-        g = self.k.kg(key)
-        t = self.tables.get(g)
-        if t is None:
+        d = self._entries(self.k._kg(key), False)
+        if d is None:
             return default
-        s = (<dict>t).get(self.name)
-        if s is None:
-            return default
-        return (<dict>s).get(key, default)
+        return (<dict>d).get(key, default)
 
     def value_update(self, key, value):
-        """ValueState.update (see bind_value): logs SET, sets the entry, then what the backend's
-        `_mutated` checks (a deferred append error, a materialization interval) when there is any."""
+        """ValueState.update (see bind_value): logs SET, sets the entry, then the backend's `_mutated`
+        when it has something to do (a deferred append error, a reached materialization interval)."""
         cdef long g
+        cdef KeyedAppender k
         if value is None or not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return self.slow_update(key, value)
-        g = self._change(self.set_op, key, (value,))
+        g = self._change(self.set_op, key, None, value)
         self._put(g, key, value)
-        b = self.k.backend
-        if b._deferred_error is not None or b.materialize_every_changes is not None \
-                or b.materialize_every_bytes is not None:
-            b._mutated()
+        k = self.k
+        if k._due():
+            k.backend._mutated()
 
-    cdef long _change(self, int op, key, tuple fields) except -1:
+    cdef long _change(self, int op, key, tuple fields, object one) except -1:
+        """Log `[state_id, key, *fields]` (fields None: the one field `one`) under `op`."""
         cdef KeyedAppender k = self.k
-        cdef long g = k.kg(key)
-        cdef Py_ssize_t pos, i, nf = len(fields)
+        cdef long g = k._kg(key)
+        cdef Py_ssize_t pos = WHOLE, i, nf = 1 if fields is None else len(fields)
         try:
-            if nf > 13 or op < 0 or op > 255:  # beyond a fixarray or an op byte: as the twin does it
-                payload = bytes((op,)) + _packb([self.sid, key, *fields], use_bin_type=True)
-                k._append(g, payload)
-                return g
-            k._reserve(2)
-            k.buf[0] = <unsigned char>op
-            k.buf[1] = <unsigned char>(0x90 | (nf + 2))
-            pos = pack_obj(k, 2, self.sid)
-            pos = pack_obj(k, pos, key)
-            for i in range(nf):
-                pos = pack_obj(k, pos, fields[i])
+            if nf <= 13 and 0 <= op <= 255:  # a fixarray and an op byte, else as the twin does it
+                k._reserve(2)
+                k.buf[0] = <unsigned char>op
+                k.buf[1] = <unsigned char>(0x90 | (nf + 2))
+                pos = pack_obj(k, 2, self.sid, 0)
+                if pos != WHOLE:
+                    pos = pack_obj(k, pos, key, 0)
+                if fields is None:
+                    if pos != WHOLE:
+                        pos = pack_obj(k, pos, one, 0)
+                else:
+                    for i in range(nf):
+                        if pos == WHOLE:
+                            break
+                        pos = pack_obj(k, pos, fields[i], 0)
+            if pos == WHOLE:
+                payload = bytes((op,)) + _packb([self.sid, key, *((one,) if fields is None else fields)],
+                                                use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise serialize_error(exc, self.name, key) from exc
-        k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
+        if pos == WHOLE:
+            k._append(g, payload)
+        else:
+            k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
         return g
+
+
+def plain_list(value, tuple types):
+    """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
+    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    cdef Py_ssize_t i, n = len(types)
+    if PyTuple_CheckExact(value):
+        if len(<tuple>value) != n:
+            return None
+        for i in range(n):
+            if type((<tuple>value)[i]) is not (<tuple>types)[i]:
+                return None
+        return list(<tuple>value)
+    if PyList_CheckExact(value):
+        if len(<list>value) != n:
+            return None
+        for i in range(n):
+            if type((<list>value)[i]) is not (<tuple>types)[i]:
+                return None
+        return list(<list>value)
+    return None

@@ -49,11 +49,14 @@ class KeyedAppender:
 
     `changes`/`nbytes` count the changes and payload bytes logged since the last materialization; an
     OSError of the append (a pre-emptive upload failed after the change was taken) is left in
-    `backend._deferred_error`, to be raised once the caller applied the change in memory.
+    `deferred_error`, to be raised once the caller applied the change in memory. `every_changes` /
+    `every_bytes` are the backend's materialization interval (0: none). The backend's
+    `_deferred_error`, `_since_changes`, `materialize_every_*` are these fields: the bound
+    `value_update` checks them without a Python attribute lookup on the backend.
     """
 
     __slots__ = ("backend", "writer_append", "max_parallelism", "kg_start", "kg_end", "key_group_range",
-                 "changes", "nbytes", "closed")
+                 "changes", "nbytes", "every_changes", "every_bytes", "deferred_error", "closed")
 
     def __init__(self, backend, writer_append, max_parallelism: int, key_group_range):
         self.backend = backend
@@ -64,6 +67,9 @@ class KeyedAppender:
         self.key_group_range = key_group_range
         self.changes = 0
         self.nbytes = 0
+        self.every_changes = 0
+        self.every_bytes = 0
+        self.deferred_error = None
         self.closed = False
 
     def kg(self, key: Any) -> int:
@@ -76,9 +82,14 @@ class KeyedAppender:
         try:
             self.writer_append(kg, payload)
         except OSError as exc:
-            self.backend._deferred_error = exc
+            self.deferred_error = exc
         self.changes += 1
         self.nbytes += len(payload)
+
+    def due(self) -> bool:
+        """What the backend's `_mutated` would act on: a deferred append error, a reached interval."""
+        return self.deferred_error is not None or (self.every_changes != 0 and self.changes >= self.every_changes) \
+            or (self.every_bytes != 0 and self.nbytes >= self.every_bytes)
 
     def for_state(self, state_id: int, name: str) -> "StateAppender":
         return StateAppender(self, state_id, name)
@@ -140,12 +151,19 @@ class StateAppender:
         return s.get(key, default)
 
     def value_update(self, key: Any, value: Any) -> None:
-        """ValueState.update (see bind_value): logs SET, sets the entry, then what the backend's
-        `_mutated` checks (a deferred append error, a materialization interval) when there is any."""
+        """ValueState.update (see bind_value): logs SET, sets the entry, then the backend's `_mutated`
+        when it has something to do (a deferred append error, a reached materialization interval)."""
         if value is None or type(key) not in _KEY_TYPES:
             return self.slow_update(key, value)
         self.set(self.set_op, key, value, value)
-        b = self.appender.backend
-        if b._deferred_error is not None or b.materialize_every_changes is not None \
-                or b.materialize_every_bytes is not None:
-            b._mutated()
+        k = self.appender
+        if k.due():
+            k.backend._mutated()
+
+
+def plain_list(value: Any, types: tuple) -> Any:
+    """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
+    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    if type(value) in (tuple, list) and tuple(map(type, value)) == types:
+        return list(value)
+    return None

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from dstl.state.schema import StateSchema
+from dstl.state.value import plain_list as _plain_list
 
 TIME_MODES = {"none": "None", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
 
@@ -130,10 +131,8 @@ class _StateAdapter:
 
     def _enc(self, value: Any) -> Any:
         """The value schema's encode, with the plain-tuple fast path (same result)."""
-        p = self._plain
-        if p is not None and type(value) in (tuple, list) and tuple(map(type, value)) == p:
-            return list(value)
-        return self._v.encode(value)
+        enc = None if self._plain is None else _plain_list(value, self._plain)
+        return self._v.encode(value) if enc is None else enc
 
     def _dec(self, stored: Any) -> Tuple:
         if self._plain is not None and len(stored) == len(self._plain):
@@ -154,11 +153,13 @@ class _StateAdapter:
 class ValueStateAdapter(_StateAdapter):
     """Spark's ValueState: exists / get / update / clear for the grouping key."""
 
+    # exists, get and update are called once or more per key: the key check and the plain-tuple codec
+    # are inlined (one Python frame per call instead of three); the state's get/update are the keyed
+    # kernel's bound C methods (tests/test_state_fastpath.py)
     def exists(self) -> bool:
-        return self._s.get(self._key()) is not None
+        k = self._h._key
+        return self._s.get(self._key() if k is None else k) is not None
 
-    # get and update are called once or more per key: the key check and the plain-tuple codec are
-    # inlined (one Python frame per call instead of three)
     def get(self) -> Optional[Tuple]:
         k = self._h._key
         w = self._s.get(self._key() if k is None else k)
@@ -172,11 +173,8 @@ class ValueStateAdapter(_StateAdapter):
         if k is None:
             k = self._key()  # raises: no grouping key is set
         p = self._plain
-        if p is not None and type(newValue) in (tuple, list) and tuple(map(type, newValue)) == p:
-            enc = list(newValue)
-        else:
-            enc = self._v.encode(newValue)
-        self._s.update(k, enc)
+        enc = None if p is None else _plain_list(newValue, p)
+        self._s.update(k, self._v.encode(newValue) if enc is None else enc)
 
     def clear(self) -> None:
         self._s.clear(self._key())

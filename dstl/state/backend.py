@@ -49,6 +49,7 @@ __all__ = ["KeyedStateBackend", "KeyedStateSnapshot", "ValueState", "ListState",
            "ReducingState"]
 
 _MAX_PARALLELISM = 32768
+_INTERVAL_MAX = 2**62  # a materialization interval beyond it is never reached (the kernel's int64)
 
 
 class _Pending:
@@ -90,8 +91,6 @@ class KeyedStateBackend:
         self.operator_id = operator_id
         self.key_group_range = key_group_range
         self.max_parallelism = max_parallelism
-        self.materialize_every_changes = materialize_every_changes
-        self.materialize_every_bytes = materialize_every_bytes
         self.default_serializer = resolve_serializer(serializer)
         self._kg_start = key_group_range.start
         self._kg_end = key_group_range.end
@@ -99,6 +98,8 @@ class KeyedStateBackend:
         # the single-key path (key group, payload, append, counters) in one kernel call per change
         self._k = _keyed.KeyedAppender(self, self._writer.append, max_parallelism, key_group_range)
         self._kg = self._k.kg  # key -> key group with the checks below (kernel: no Python frame)
+        self.materialize_every_changes = materialize_every_changes
+        self.materialize_every_bytes = materialize_every_bytes
         self._table: Dict[int, Dict[str, dict]] = {}
         self._states: Dict[str, _State] = {}
         self._next_sid = 0
@@ -111,7 +112,6 @@ class KeyedStateBackend:
         self._since_changes = 0
         self._since_bytes = 0
         self._materializing = False
-        self._deferred_error: Optional[BaseException] = None
         self._closed = False
         self.restore_stats: Dict[str, int] = {}
         self.materializations = 0
@@ -150,6 +150,33 @@ class KeyedStateBackend:
     def _since_bytes(self, value: int) -> None:
         self._k.nbytes = value
 
+    # the materialization interval and the deferred append error live in the kernel too, so that a
+    # bound ValueState.update checks them in C and calls _mutated only when there is something to do
+    @property
+    def materialize_every_changes(self) -> Optional[int]:
+        return self._k.every_changes or None
+
+    @materialize_every_changes.setter
+    def materialize_every_changes(self, value: Optional[int]) -> None:
+        self._k.every_changes = min(value, _INTERVAL_MAX) if value else 0
+
+    @property
+    def materialize_every_bytes(self) -> Optional[int]:
+        return self._k.every_bytes or None
+
+    @materialize_every_bytes.setter
+    def materialize_every_bytes(self, value: Optional[int]) -> None:
+        self._k.every_bytes = min(value, _INTERVAL_MAX) if value else 0
+
+    @property
+    def _deferred_error(self) -> Optional[BaseException]:
+        """An OSError of an append whose change was taken (raised by the next `_mutated`)."""
+        return self._k.deferred_error
+
+    @_deferred_error.setter
+    def _deferred_error(self, exc: Optional[BaseException]) -> None:
+        self._k.deferred_error = exc
+
     def _check_kgs(self, kgs: np.ndarray, col: Column) -> None:
         if kgs.size:
             bad = (kgs < self._kg_start) | (kgs > self._kg_end)
@@ -177,13 +204,14 @@ class KeyedStateBackend:
     def _mutated(self, n: int = 1) -> None:
         """After the in-memory table changed: raise a deferred append error, else materialize if
         the interval is reached."""
-        if self._deferred_error is not None:
-            exc, self._deferred_error = self._deferred_error, None
-            raise exc
-        if self._materializing:
+        k = self._k
+        if not k.due():
             return
-        if (self.materialize_every_changes is not None and self._since_changes >= self.materialize_every_changes) \
-                or (self.materialize_every_bytes is not None and self._since_bytes >= self.materialize_every_bytes):
+        exc = k.deferred_error
+        if exc is not None:
+            k.deferred_error = None
+            raise exc
+        if not self._materializing:
             self.materialize()
 
     def _check_open(self) -> None:

@@ -5,10 +5,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from dstl import _impl
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column, dict_update_rows, pack_bin_rows
 from dstl.state.base import _KEY_TYPES, _State, _norm_key, _row_values
+
+#: `list(value)` when `value` is a tuple or list whose items have exactly `types`, else None: the
+#: processor adapters' plain-value encode, one kernel call (dstl/_fast/_keyed)
+plain_list: Callable[[Any, tuple], Optional[list]] = _impl.kernel("_keyed").plain_list
 
 
 class ValueState(_State):
