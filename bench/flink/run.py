@@ -370,7 +370,7 @@ def phase_rows(result: dict) -> List[List[str]]:
          _ms(ph[f"{thr}.cpu"]), _ms(ph[f"{proc}.cpu"])],
         ["on its own: framing and packing (append_many + seal_body, payload referenced)", _ms(ph["pack"]),
          _ms(ph["pack"])],
-        ["on its own: body copy (canonical layout) into a warm buffer / into shared memory",
+        ["on its own: body copy (canonical layout): in 512 KiB pieces / into shared memory",
          _ms(ph["body_copy"]), _ms(ph["body_copy_shm"])],
         ["on its own: file write of the laid-out bodies / shared memory -> file (kept mapping)",
          _ms(ph["file_write"]), _ms(ph["shm_to_file"])],
