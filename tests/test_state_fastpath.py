@@ -14,7 +14,7 @@ from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 
 from state_helpers import FULL, MAXP, storage  # noqa: F401 - fixture
-from test_keyed_kernel import IMPLS, _appender, _outcome, _scalars, impl_params
+from test_keyed_kernel import _appender, _scalars, impl_params, logged_everywhere
 from dstl.state import changes as C
 
 
@@ -154,31 +154,15 @@ _EDGES = [
 ]
 
 
-def _same_everywhere(op, sid, key, fields):
-    results = []
-    for _, mod in IMPLS:
-        k, log, _ = _appender(mod)
-        out = _outcome(lambda: k.for_state(sid, "s").change(op, key, *fields))
-        results.append((out, log, k.changes, k.nbytes))
-    for out, log, changes, nbytes in results:
-        if out[0] == "ok":
-            assert log == [(out[1], C.encode(op, [sid, key] + list(fields)))]
-            assert (changes, nbytes) == (1, len(log[0][1]))
-        else:
-            assert log == [] and changes == 0
-    assert all(r == results[0] for r in results)
-    return results[0][0]
-
-
 @settings(max_examples=300, deadline=None)
 @given(value=_nested, more=st.lists(_nested, max_size=2))
 def test_nested_values_encode_as_msgpack_in_both_implementations(value, more):
-    _same_everywhere(C.SET, 3, "user-1", [value, *more])
+    logged_everywhere(C.SET, 3, "user-1", [value, *more])
 
 
 @pytest.mark.parametrize("value", _EDGES, ids=range(len(_EDGES)))
 def test_container_edges_encode_as_msgpack_in_both_implementations(value):
-    out = _same_everywhere(C.SET, 300, 42, [value])
+    out = logged_everywhere(C.SET, 300, 42, [value])
     if value is _TOO_DEEP:  # nested beyond msgpack's own recursion limit: its ValueError, naming the state
         assert out[0] is ValueError and "state 's', key 42: cannot serialize the change" in out[1]
 
