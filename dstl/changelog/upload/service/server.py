@@ -141,9 +141,11 @@ class _BatchAction:
             n = self.attempts
         job = dict(self.job, file_name=str(uuid.uuid4()))
         # journaled before the file exists: if this service dies mid-attempt, the next one knows
-        # the file and settles it like a dead client's (after the grace period)
+        # the file and settles it like a dead client's (after the grace period). Waited for: an
+        # intent only queued here (the registry restarting) died with this service while the
+        # uploader's file stayed, unknown to anyone (the chaos test found it)
         intent = intended_url(job)
-        self.service.registry.submit("intent", intent, int(time.time() * 1000))
+        self.service.registry.apply("intent", intent, int(time.time() * 1000))
         worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
             res = self.service.pool.run(job, self._limit_s(), worker, lambda: self.settled)
