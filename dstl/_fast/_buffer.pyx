@@ -619,6 +619,11 @@ cdef struct Cursor:
     int64_t done            # bytes of the current item already emitted
 
 
+cdef inline void cursor_start(Cursor* c) noexcept nogil:
+    c.phase = 0
+    c.g = c.r = c.stop = c.done = 0
+
+
 cdef inline int64_t copy_part(unsigned char* dst, int64_t room, const unsigned char* src, int64_t length,
                               int64_t* done) noexcept nogil:
     """Copy what fits of src[*done:length] to dst; returns the bytes copied."""
@@ -685,7 +690,7 @@ cdef int scatter_body(const BodyRef* b, unsigned char* dst) noexcept nogil:
 
 cdef int64_t fill_body(const BodyRef* b, unsigned char* out, int64_t room, Cursor* c) noexcept nogil:
     """Write the next canonical bytes into out[:room]; returns how many (0 once done)."""
-    cdef int64_t filled = 0, i, length, stop, ahead
+    cdef int64_t filled = 0, length, stop, ahead
     cdef int64_t n = b.n
     cdef unsigned char tmp[8]
     cdef const unsigned char* src
@@ -797,8 +802,7 @@ cdef class SealedBody:
         cdef int64_t got
         self._order()
         ref = body_ref(self)
-        c.phase = 0
-        c.g = c.r = c.stop = c.done = 0
+        cursor_start(&c)
         with nogil:
             got = fill_body(&ref, dst, self.total, &c)
         if got != self.total:  # the walk and the encoded size disagree: never write a torn body
@@ -854,8 +858,7 @@ cdef class SealedBody:
             return self._write_scattered(write, size)
         self._order()
         ref = body_ref(self)
-        c.phase = 0
-        c.g = c.r = c.stop = c.done = 0
+        cursor_start(&c)
         spares = _spare_chunks.get(size)
         chunk = spares.pop() if spares else bytearray(size)
         ptr = <unsigned char*>(<char*>chunk)
@@ -1070,8 +1073,7 @@ def write_bodies(fds, bodies):
                         break
                     pos += views[i].len
                     continue
-                c.phase = 0
-                c.g = c.r = c.stop = c.done = 0
+                cursor_start(&c)
                 while True:
                     got = fill_body(&refs[i], chunk_ptr, size, &c)
                     if got == 0:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from collections import OrderedDict
 from typing import Optional, Tuple
 
@@ -32,7 +31,6 @@ class MappedSegments:
         self.max_bytes = int(max_bytes)
         self._maps: "OrderedDict[str, Tuple[int, int, mmap.mmap]]" = OrderedDict()
         self._bytes = 0
-        self.last_used = time.monotonic()
         self.hits = 0
         self.misses = 0
 
@@ -46,7 +44,6 @@ class MappedSegments:
     def get(self, name: str, fd: int, end: int) -> Optional[mmap.mmap]:
         """A read-only mapping of the segment open at `fd`, covering at least `end` bytes; None if the
         segment is shorter than `end` (the caller reports that) or too large to keep."""
-        self.last_used = time.monotonic()
         st = os.fstat(fd)
         if st.st_size < end:
             return None
