@@ -235,3 +235,37 @@ def test_restore_ab_runs_on_a_small_workload():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in ("base (HEAD)", "walk, chain_changes", "floor: + a StateChange per change", "base / this"):
         assert text in proc.stdout, proc.stdout
+
+
+class _SlowingDownJit:
+    """A stand-in for the Java harness whose calls speed up until call `settle`, then stay put."""
+
+    def __init__(self, settle: int):
+        self.settle, self.calls = settle, {"write": 0, "read": 0}
+
+    def call(self, op):
+        self.calls[op] += 1
+        k = self.calls[op]
+        return {"seconds": 0.5 ** min(k, self.settle)}  # twice as fast per call, then steady
+
+
+class _Noisy:
+    def __init__(self, speeds):
+        self.speeds, self.calls = speeds, {"write": 0, "read": 0}
+
+    def call(self, op):
+        self.calls[op] += 1
+        return {"seconds": 1.0 / self.speeds[self.calls[op] - 1]}
+
+
+def test_flink_is_warmed_until_its_calls_agree(bench_modules):
+    _, run = bench_modules
+    fake = _SlowingDownJit(settle=12)
+    jit = run.warm_flink(fake, 1_000_000, at_least=4)
+    # twice as fast per call up to the 12th: the median of the last 4 calls matches the 4 before at the 18th
+    assert jit["steady"] and jit["calls"] == 18
+    assert jit["write_mb_s"][-3:] == [4096.0] * 3 and len(jit["read_mb_s"]) == 18
+    noisy = run.warm_flink(_Noisy([1.0, 1.2, 0.9, 1.1] * 5), 1_000_000, at_least=4)
+    assert noisy["steady"] and noisy["calls"] == 8  # +-20% per call, but no longer climbing
+    capped = run.warm_flink(_SlowingDownJit(settle=100), 1_000_000, at_least=4, at_most=6)
+    assert not capped["steady"] and capped["calls"] == 6
