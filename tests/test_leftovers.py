@@ -65,8 +65,10 @@ def _start(base, job, mode, env):
 def test_kill_loop_leaves_nothing_behind(runtime, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
+    # DSTL_CLIENT_WRITES=0: bodies bound for raw local files go through shared memory, which is what
+    # a killed client can leave behind (its own writes leave nothing there)
     env = dict(os.environ, TMPDIR=str(tmp), DSTL_ORPHAN_GRACE_MS="200", DSTL_SERVICE_LINGER_MS="2000",
-               DSTL_SWEEP_GRACE_S="0")
+               DSTL_SWEEP_GRACE_S="0", DSTL_CLIENT_WRITES="0")
     base = tmp_path / "base"
     base.mkdir()
     other = tmp_path / "other"  # another configuration: a service of its own, killed while idle

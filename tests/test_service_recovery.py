@@ -6,12 +6,22 @@ import os
 import signal
 import time
 
+import pytest
 from service_util import alive, children_of, wait_dead
 from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
+from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV
 from dstl.types import KeyGroupRange
 
 KGR = KeyGroupRange(0, 127)
+
+
+@pytest.fixture(autouse=True)
+def _uploaders_write(monkeypatch):
+    """These faults hit the uploader processes, which write raw local files only when the clients do
+    not write their own change sets (DSTL_CLIENT_WRITES=0); test_service_client_writes.py has the
+    faults of the clients' side."""
+    monkeypatch.setenv(CLIENT_WRITES_ENV, "0")
 CONSTANT_S = 3.0  # the "small constant" of the bound: scheduling, replacement start, round trips
 
 

@@ -134,11 +134,27 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_raw(files, bodies) -> tuple:
+class HeldSpan:
+    """A change-set body still held by the process that wrote it (the upload service's client): the
+    file's region for it is left open here and filled there, at its offset (`delegate` of
+    `StateChangeFsUploader.upload`). `owner` and `ref` say whose and which body it is."""
+
+    __slots__ = ("length", "owner", "ref")
+
+    def __init__(self, length: int, owner, ref):
+        self.length, self.owner, self.ref = length, owner, ref
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _write_raw(files, bodies, paths=(), delegate=None) -> tuple:
     """The file bytes of uncompressed `bodies` (flag byte, bodies back to back) into each of the
     local `files`, written to their descriptors: the service's segments (`FileSpan`) by the kernel's
     copy, every run of other bodies (sealed bodies, bytes) by one `write_bodies` call, which holds the
-    GIL only around it. Returns (logical offset of each body, logical size) as `write_file` does."""
+    GIL only around it. The regions of `HeldSpan`s are skipped, then `delegate(paths, [(file offset,
+    span)])` has their holders fill them and returns once they did (it raises if one did not).
+    Returns (logical offset of each body, logical size) as `write_file` does."""
     offsets, pos = [], 0
     for body in bodies:
         offsets.append(pos)
@@ -149,17 +165,28 @@ def _write_raw(files, bodies) -> tuple:
         f.flush()
         fds.append(f.fileno())
     run: list = []
-    for body in bodies:
-        if type(body) is FileSpan:
+    held: list = []
+    for off, body in zip(offsets, bodies):
+        kind = type(body)
+        if kind is FileSpan or kind is HeldSpan:
             if run:
                 write_bodies(fds, run)
                 run = []
-            for fd in fds:
-                body.send_to(fd)
+            if kind is FileSpan:
+                for fd in fds:
+                    body.send_to(fd)
+            else:
+                held.append((1 + off, body))
+                for fd in fds:
+                    os.lseek(fd, len(body), os.SEEK_CUR)
         else:
             run.append(body)
     if run:
         write_bodies(fds, run)
+    if held:
+        if delegate is None:
+            raise ValueError("bodies held by other processes need a delegate to write them")
+        delegate(list(paths), held)
     return offsets, pos
 
 
@@ -280,9 +307,11 @@ class StateChangeFsUploader(StateChangeUploader):
             os.makedirs(self._local_dir, exist_ok=True)
             return _open_local_exclusive(local_path, size)
 
-    def upload(self, tasks: Sequence[UploadTask], *, file_name: Optional[str] = None) -> UploadTasksResult:
+    def upload(self, tasks: Sequence[UploadTask], *, file_name: Optional[str] = None,
+               delegate=None) -> UploadTasksResult:
         """One attempt. `file_name` (default: a fresh uuid4) is the name of the file in the job's
-        directory; the upload service passes one it announced beforehand."""
+        directory; the upload service passes one it announced beforehand. `delegate` writes the
+        regions of `HeldSpan` bodies (raw local files only; see `_write_raw`)."""
         if file_name is not None and (not file_name or "/" in file_name or file_name in (".", "..")):
             raise ValueError(f"invalid changelog file name {file_name!r}")
         self.metrics.upload_requests.inc()
@@ -297,17 +326,20 @@ class StateChangeFsUploader(StateChangeUploader):
         size = _file_size(bodies, self.compression)
         # raw bodies to the local disk go to the file descriptors, without Python per piece
         direct = self.local_raw and bool(bodies)
+        if not direct and any(type(b) is HeldSpan for b in bodies):
+            raise ValueError("bodies held by other processes can only go to raw local files")
         try:
             opened = self._create(path, size)
             with opened as out:
                 created.append("remote")
                 if direct:
                     if local_path is None:
-                        offsets, logical_size = _write_raw([out], bodies)
+                        offsets, logical_size = _write_raw([out], bodies, [path], delegate)
                     else:
                         with self._create_local(local_path, size) as local_out:
                             created.append("local")
-                            offsets, logical_size = _write_raw([out, local_out], bodies)
+                            offsets, logical_size = _write_raw([out, local_out], bodies, [path, local_path],
+                                                               delegate)
                 elif local_path is None:
                     offsets, logical_size = write_file(
                         out, bodies, compression=self.compression, buffer_size=self.buffer_size)
@@ -363,4 +395,4 @@ class StateChangeFsUploader(StateChangeUploader):
         return f"StateChangeFsUploader({self._url(self._dir)!r}, compression={self.compression!r})"
 
 
-__all__ = ["StateChangeUploader", "StateChangeFsUploader", "FileSpan"]
+__all__ = ["StateChangeUploader", "StateChangeFsUploader", "FileSpan", "HeldSpan"]

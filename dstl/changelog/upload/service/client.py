@@ -7,7 +7,10 @@ it under the file lock if none runs) and returns `(scheduler, registry)`:
   reports back-pressure, builds the task's sealed bodies straight into a mapped shared-memory
   segment (a kept segment of a finished task when one is free: its pages are mapped already) and
   sends a descriptor; results and failures come back on a reader thread and are delivered to the
-  task on a callback thread (so a callback that uploads again never blocks the reader).
+  task on a callback thread (so a callback that uploads again never blocks the reader). Where files
+  are raw and local, the bodies stay here instead: the descriptor says so, and when the service's
+  attempt has made the file it asks for them (WriteRegion), and a region writer thread writes them
+  at their offsets (one copy, as in thread mode, and none through shared memory).
 * `ServiceRegistryProxy` (the `TaskChangelogRegistry` interface): every call is a message to the
   service's registry process.
 
@@ -37,8 +40,9 @@ from dstl.changelog.upload.scheduler import StateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
 from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
                                                      Notice, ProtocolError, Release, Reply, Upload, Welcome,
-                                                     dispatch)
+                                                     WriteRegion, Written, dispatch)
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
+from dstl.changelog.upload.service.worker import portable_error
 from dstl.changelog.upload.throttle import AvailabilityProvider
 
 log = logging.getLogger("dstl.changelog.upload.service.client")
@@ -50,6 +54,26 @@ SENDERS = 2  # sender threads: two sealed bodies are built into shared memory at
 FREE_SEGMENTS = 64  # finished tasks' segments kept (mapped) for reuse: their pages are allocated and mapped
 # already, so building a body into one is a plain memcpy (a fresh one costs page allocation and zeroing)
 FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
+REGION_WRITERS = 2  # threads writing held change sets into the service's files (both cores, as SENDERS)
+CLIENT_WRITES_ENV = "DSTL_CLIENT_WRITES"  # "0": raw local files too go through shared memory
+
+
+def holds_bodies(config) -> bool:
+    """Whether this client keeps its bodies and writes them into the service's files itself: raw
+    (uncompressed) files on the local disk, unless DSTL_CLIENT_WRITES=0."""
+    from dstl.changelog import fs as dfs
+
+    if os.environ.get(CLIENT_WRITES_ENV, "1") == "0" or config.compression is not None:
+        return False
+    try:
+        return dfs.is_local(dfs.changelog_dir(config.base_path, "x")[0])
+    except Exception:
+        return False
+
+
+def _drop(seg) -> None:
+    if seg is not None:  # None: the task's bodies were held here, not in a segment
+        seg.unlink()
 _LAUNCHER = (
     "import subprocess, sys\n"
     "log = open(sys.argv[1], 'ab')\n"
@@ -202,6 +226,8 @@ class ServiceConnection:
         self._free_bytes = 0
         self._free_budget = int(config.max_in_flight)
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
+        self.bytes_written = 0  # payload bytes this client wrote into the service's files itself
+        self.holds = holds_bodies(config)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
         self._unsent = 0  # tasks handed to `submit` whose descriptor is not sent yet
@@ -209,8 +235,12 @@ class ServiceConnection:
         for i in range(SENDERS):
             threading.Thread(target=self._send_loop, name=f"dstl-service-sender-{i}", daemon=True).start()
         self._callbacks: "queue.Queue" = queue.Queue()
+        self._regions: "queue.Queue" = queue.Queue()
+        for i in range(REGION_WRITERS if self.holds else 0):
+            threading.Thread(target=self._region_loop, name=f"dstl-service-region-writer-{i}", daemon=True).start()
         self._table = {Done: self._on_done, Failed: self._on_failed, Availability: self._on_avail,
-                       Reply: self._on_reply, Closed: lambda _msg: self._closed_event.set(),
+                       Reply: self._on_reply, WriteRegion: self._regions.put,
+                       Closed: lambda _msg: self._closed_event.set(),
                        Notice: lambda msg: log.error("upload service (pid %s): %s", self.service_pid, msg.text)}
         threading.Thread(target=self._callback_loop, name="dstl-service-callbacks", daemon=True).start()
         self._reader = threading.Thread(target=self._read_loop, name="dstl-service-reader", daemon=True)
@@ -303,6 +333,11 @@ class ServiceConnection:
         task_id = next(self._ids)
         sets = task.change_sets
         bodies = [cs.body for cs in sets]
+        if self.holds:
+            items = [(-1, len(b), cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
+                     for b, cs in zip(bodies, sets)]
+            self._send_upload(task, task_id, None, job_id, local_dir, items, queued_at, counted)
+            return
         need = sum(len(b) for b in bodies)
         seg = self._take_free(need)
         try:
@@ -322,6 +357,11 @@ class ServiceConnection:
         self.bytes_shared += sum(n for _, n in spans)
         items = [(off, n, cs.log_id.bytes, int(cs.sequence_number), cs.size, cs.num_changes)
                  for (off, n), cs in zip(spans, sets)]
+        self._send_upload(task, task_id, seg, job_id, local_dir, items, queued_at, counted)
+
+    def _send_upload(self, task, task_id: int, seg: Optional[shm.Segment], job_id: str,
+                     local_dir: Optional[str], items: list, queued_at: float, counted: list) -> None:
+        """Make the task pending and send its descriptor (`seg` None: its bodies stay here)."""
         # counted down and sent in one step: the last task counted down is the last one sent, and
         # the service knows nothing more is coming once it has arrived
         with self._order_lock:
@@ -332,15 +372,64 @@ class ServiceConnection:
                 more = self._unsent > 0
             failed: Optional[UploadServiceError] = None
             try:
-                self.send(Upload(task_id, job_id, local_dir, seg.name, items, task.size, queued_at, more))
+                self.send(Upload(task_id, job_id, local_dir, seg.name if seg is not None else "", items,
+                                 task.size, queued_at, more))
             except UploadServiceError as exc:
                 failed = exc
         if failed is not None:
             with self._lock:  # _break may have run before the task was pending: whoever pops it fails it
                 entry = self._pending.pop(task_id, None)
             if entry is not None:
-                seg.unlink()
+                _drop(seg)
                 self._callbacks.put((task.fail, (failed,)))
+
+    def _region_loop(self) -> None:
+        while True:
+            msg = self._regions.get()
+            if msg is None:
+                return
+            error: Optional[BaseException] = None
+            try:
+                self._write_regions(msg)
+            except BaseException as exc:  # the attempt fails (and is retried); this client goes on
+                error = portable_error(exc)
+            if self.broken is None:
+                try:
+                    self.send(Written(msg.attempt_id, error))
+                except UploadServiceError:
+                    pass
+
+    def _write_regions(self, msg: WriteRegion) -> None:
+        """Write the asked change sets of pending tasks into the attempt's files, each run of
+        adjacent ones with one `write_bodies` call (the GIL released around all of it)."""
+        from dstl.format import write_bodies
+
+        with self._lock:
+            entries = [(self._pending.get(task_id), index, off) for task_id, index, off in msg.writes]
+        spans = []
+        for (entry, index, off), (task_id, _i, _o) in zip(entries, msg.writes):
+            if entry is None:
+                raise UploadServiceError(f"task {task_id} is no longer pending in this client")
+            spans.append((off, entry[0].change_sets[index].body))
+        spans.sort(key=lambda e: e[0])
+        fds = []
+        try:
+            for path in msg.paths:  # made and sized by the service: never created here
+                fds.append(os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)))
+            i = 0
+            while i < len(spans):
+                start, end, run = spans[i][0], spans[i][0], []
+                while i < len(spans) and spans[i][0] == end:
+                    run.append(spans[i][1])
+                    end += len(spans[i][1])
+                    i += 1
+                for fd in fds:
+                    os.lseek(fd, start, os.SEEK_SET)
+                write_bodies(fds, run)
+                self.bytes_written += end - start
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _take_free(self, need: int) -> Optional[shm.Segment]:
         """The kept segment that fits `need` bytes best (the smallest big enough, else the largest,
@@ -442,9 +531,9 @@ class ServiceConnection:
     def _take(self, task_id: int):
         with self._lock:
             entry = self._pending.pop(task_id, None)
-            keep = entry is not None and self._keep_free(entry[1])
+            keep = entry is not None and entry[1] is not None and self._keep_free(entry[1])
         if entry is not None and not keep:
-            entry[1].unlink()  # this client owns its segments (see shm.py)
+            _drop(entry[1])  # this client owns its segments (see shm.py)
         return entry
 
     def _on_done(self, msg: Done) -> None:
@@ -510,7 +599,7 @@ class ServiceConnection:
         log.error("lost the upload service (pid %s): %s", self.service_pid, exc)
         err = self._error()
         for task, seg in pending.values():
-            seg.unlink()
+            _drop(seg)
             self._callbacks.put((task.fail, (err,)))
         for fut in calls:
             if not fut.done():
@@ -540,7 +629,7 @@ class ServiceConnection:
         for seg in free:
             seg.unlink()
         for task, seg in pending.values():
-            seg.unlink()
+            _drop(seg)
             self._callbacks.put((task.fail, (CancelledError("the upload scheduler was closed"),)))
 
     def release_user(self) -> None:
@@ -571,6 +660,8 @@ class ServiceConnection:
                 self._outbox.put(None, timeout=5)
             except queue.Full:
                 break
+        for _ in range(REGION_WRITERS if self.holds else 0):
+            self._regions.put(None)
         self._closed_event.set()
         hard_close(self.conn)
         self._callbacks.put((None, None))

@@ -3,8 +3,8 @@
 
 Three channels, each a multiprocessing connection (pickled messages):
 
-* client <-> service (Unix socket): Hello, Upload, Release, Call, Close / Welcome, Refused, Done,
-  Failed, Availability, Reply, Closed, Notice;
+* client <-> service (Unix socket): Hello, Upload, Release, Call, Close, Written / Welcome, Refused,
+  Done, Failed, Availability, Reply, Closed, Notice, WriteRegion;
 * service <-> registry process (pipe): Operation, Query, Shutdown / RegistryHello, Ack, QueryReply;
 * service <-> uploader process (pipe): Job, Stop / WorkerReady, Intent, AttemptDone, AttemptFailed.
 
@@ -27,7 +27,8 @@ class Hello(NamedTuple):
 
 
 class Upload(NamedTuple):
-    """One upload task: its sealed bodies are in shared-memory segment `segment`; `items` lists
+    """One upload task: its sealed bodies are in shared-memory segment `segment`, or held by the
+    client when `segment` is "" (it writes them itself when asked: WriteRegion); `items` lists
     (offset, length, log id bytes, sqn, size, number of changes) per change set. `queued_at` is
     the client's `time.monotonic()` when its writer handed the task over (the persist delay runs
     from there); `more`: the client has more tasks on their way (the batch waits for them)."""
@@ -55,6 +56,12 @@ class Call(NamedTuple):
 
 class Close(NamedTuple):
     """The client closes: cancel its queued tasks, answer Closed once its running ones finished."""
+
+
+class Written(NamedTuple):
+    """The answer to WriteRegion `attempt_id`: every region is written (`error` None) or not."""
+    attempt_id: int
+    error: Optional[BaseException]
 
 
 # ---- service -> client ------------------------------------------------------------------------
@@ -102,6 +109,15 @@ class Reply(NamedTuple):
 
 class Closed(NamedTuple):
     """Every task of the closing client has finished."""
+
+
+class WriteRegion(NamedTuple):
+    """Write held change sets into the attempt's new files `paths` (the file and its local copy, each
+    created and sized by the service): `writes` = [(task id, index of the change set in the task's
+    Upload items, file offset)]. Answered by Written."""
+    attempt_id: int
+    paths: List[str]
+    writes: List[tuple]
 
 
 class Notice(NamedTuple):
@@ -182,7 +198,8 @@ def dispatch(table: Handlers, msg: Any, *args: Any) -> Any:
     return handler(msg, *args)
 
 
-__all__ = ["ProtocolError", "dispatch", "Hello", "Upload", "Release", "Call", "Close", "Welcome", "Refused",
-           "Done", "Failed", "Availability", "Reply", "Closed", "Notice", "Operation", "Query", "Shutdown",
+__all__ = ["ProtocolError", "dispatch", "Hello", "Upload", "Release", "Call", "Close", "Written", "Welcome",
+           "Refused", "Done", "Failed", "WriteRegion", "Availability", "Reply", "Closed", "Notice", "Operation",
+           "Query", "Shutdown",
            "RegistryHello", "Ack", "QueryReply", "Job", "Stop", "WorkerReady", "Intent", "AttemptDone",
            "AttemptFailed", "Handlers"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 # Bumped whenever client and service messages change: other versions get a service of their own.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Options that do not change what the service does (client-side only) are left out of the key.
 _CLIENT_ONLY = {"upload_mode", "cache_idle_timeout_ms", "preemptive_persist_threshold", "base_path"}

@@ -25,16 +25,18 @@ import threading
 import time
 import uuid
 from collections import Counter as _Counter
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as _FutureTimeout
 from multiprocessing.connection import Listener
 from typing import Dict, List, Optional
 
+from dstl.errors import UploadServiceError
 from dstl.changelog.upload.scheduler import AdmittedTask, BatchingStateChangeUploadScheduler
 from dstl.changelog.upload.service import shm
 from dstl.changelog.upload.service.protocol import (Availability, Call, Close, Closed, Done, Failed, Hello,
                                                      Notice, ProtocolError, Refused, Release, Reply, Upload,
-                                                     Welcome, dispatch)
-from dstl.changelog.upload.service.worker import intended_url
+                                                     Welcome, WriteRegion, Written, dispatch)
+from dstl.changelog.upload.service.worker import intended_url, run_attempt
 from dstl.changelog.upload.service.runtime import ServicePaths, file_lock, pid_alive
 from dstl.changelog.upload.task import UploadTask
 
@@ -42,10 +44,13 @@ log = logging.getLogger("dstl.changelog.upload.service")
 
 LINGER_MS_DEFAULT = 2000
 _batch_ids = itertools.count(1)
+_attempt_ids = itertools.count(1)
+_REGION_POLL_S = 0.05  # how often a waiting attempt checks whether its action was decided meanwhile
 
 
 class _Client:
-    __slots__ = ("cid", "pid", "conn", "send_lock", "alive", "closing", "welcomed", "tasks", "prefix")
+    __slots__ = ("cid", "pid", "conn", "send_lock", "alive", "closing", "welcomed", "tasks", "prefix",
+                 "regions")
 
     def __init__(self, cid: str, pid: int, conn, prefix: str):
         self.cid, self.pid, self.conn, self.prefix = cid, pid, conn, prefix
@@ -54,6 +59,14 @@ class _Client:
         self.closing = False
         self.welcomed = False  # pushes (availability, notices) only after its Welcome
         self.tasks: Dict[int, "_Task"] = {}  # unsettled: queued in the scheduler or in an attempt
+        self.regions: Dict[int, tuple] = {}  # attempt id -> (Future, asked at): WriteRegions unanswered
+
+    def stalled(self, timeout_s: float) -> bool:
+        """Gone, or a WriteRegion of its unanswered for longer than `timeout_s` (stopped, hung)."""
+        if not self.alive:
+            return True
+        oldest = min((at for _f, at in list(self.regions.values())), default=None)
+        return oldest is not None and timeout_s > 0 and time.monotonic() - oldest > timeout_s
 
     def send(self, msg) -> None:
         if not self.alive:
@@ -66,8 +79,9 @@ class _Client:
 
 
 class _Task(UploadTask):
-    """One client's upload in the shared scheduler: its bodies wait in shared-memory `segment`
-    (`items` describe them); settling it answers the client with Done or Failed."""
+    """One client's upload in the shared scheduler: its bodies wait in shared-memory `segment`, or in
+    the client when `segment` is "" (`items` describe them); settling it answers the client with
+    Done or Failed."""
 
     __slots__ = ("service", "client", "task_id", "group", "segment", "items", "action")
 
@@ -89,7 +103,13 @@ class _Task(UploadTask):
 
 
 class _BatchAction:
-    """RetriableAction: one attempt = one uploader process writes every task of the batch into one file."""
+    """RetriableAction: one attempt = one uploader process writes every task of the batch into one file.
+
+    A batch with tasks that clients hold (raw local files) runs its attempts in the service's own
+    thread instead: it creates and sizes the file, asks each client to write its change sets at their
+    offsets (WriteRegion) and waits for every answer. A client that is gone, or left an earlier
+    WriteRegion unanswered past the attempt timeout, is left out of the next attempt: its tasks fail
+    and the rest of the batch does not wait for it."""
 
     def __init__(self, service: "UploadService", admitted: List[AdmittedTask]):
         self.service = service
@@ -97,6 +117,7 @@ class _BatchAction:
         self.tasks: List[_Task] = [a.inner for a in admitted]
         for t in self.tasks:
             t.action = self
+        self.held = any(not t.segment for t in self.tasks)
         self.lock = threading.Lock()
         self.attempts = 0
         self._worker = threading.local()  # the uploader prepare_attempt took, per attempt thread
@@ -133,7 +154,7 @@ class _BatchAction:
 
     def prepare_attempt(self) -> None:
         """Take a healthy uploader before the attempt's timeout starts (a dead one costs no attempt)."""
-        self._worker.value = self.service.pool.acquire()
+        self._worker.value = None if self.held else self.service.pool.acquire()
 
     def try_execute(self):
         with self.lock:
@@ -148,7 +169,10 @@ class _BatchAction:
         self.service.registry.apply("intent", intent, int(time.time() * 1000))
         worker, self._worker.value = getattr(self._worker, "value", None), None
         try:
-            res = self.service.pool.run(job, self._limit_s(), worker, lambda: self.settled)
+            if self.held:
+                res = self._written_by_clients(job)
+            else:
+                res = self.service.pool.run(job, self._limit_s(), worker, lambda: self.settled)
         except BaseException as exc:
             self._record(getattr(exc, "dstl_metrics", None), exc)
             # a killed uploader cannot clean up after itself; a failed attempt deleted its partial
@@ -159,12 +183,37 @@ class _BatchAction:
         self._track(res)
         return n, res
 
+    def _written_by_clients(self, job: dict) -> dict:
+        """One attempt whose held regions the clients write (see the class). Returns run_attempt's
+        result with None in `tasks` for each task left out, and `left_out` {position: reason}."""
+        timeout_s = self.service.policy.timeout_ms / 1000.0
+        included, left_out = [], {}
+        for i, t in enumerate(self.tasks):
+            if t.client.stalled(timeout_s):
+                left_out[i] = (f"client {t.client.cid} (pid {t.client.pid}) is gone" if not t.client.alive else
+                               f"client {t.client.cid} (pid {t.client.pid}) did not write its change sets "
+                               f"within the upload timeout ({timeout_s * 1000:.0f} ms)")
+            else:
+                included.append(i)
+        if not included:
+            raise UploadServiceError("no client of the batch is there to write its change sets: "
+                                     + "; ".join(left_out.values()))
+        tasks = [self.tasks[i] for i in included]
+        job = dict(job, tasks=[self.job["tasks"][i] for i in included])
+        res = run_attempt(job, delegate=lambda paths, held: self.service.fill_regions(
+            paths, held, tasks, self._limit_s(), lambda: self.settled))
+        by_position = dict(zip(included, res["tasks"]))
+        res["tasks"] = [by_position.get(i) for i in range(len(self.tasks))]
+        res["left_out"] = left_out
+        return res
+
     def _track(self, res: dict) -> None:
         """Start tracking the attempt's files in the registry, durably, before any client hears of
         them; a journal that cannot record it fails the attempt (its files are deleted)."""
         shares = _Counter()
-        for t in self.tasks:
-            shares[t.client.cid] += len(t.items)
+        for t, results in zip(self.tasks, res["tasks"]):
+            if results is not None:  # tasks left out of the file have no share in it
+                shares[t.client.cid] += len(t.items)
         try:
             for path, n in res["started"]:
                 self.service.registry.apply("start", path, n, dict(shares))
@@ -234,7 +283,7 @@ class UploadService:
         self.scheduler.get_availability_provider().add_listener(self._broadcast_availability)
         self._ready = threading.Event()
         self._client_table = {Upload: self._upload, Release: self._on_release, Call: self._call,
-                              Close: lambda _msg, client: self._client_closing(client)}
+                              Written: self._on_written, Close: lambda _msg, client: self._client_closing(client)}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -427,8 +476,12 @@ class UploadService:
 
     def batch_succeeded(self, action: _BatchAction, res: dict) -> None:
         dead = set()
-        for a, results in zip(action.admitted, res["tasks"]):
+        left_out = res.get("left_out") or {}
+        for i, (a, results) in enumerate(zip(action.admitted, res["tasks"])):
             client = a.inner.client
+            if results is None:  # its client was gone or stalled: not in the file
+                a.fail(UploadServiceError(left_out.get(i, "left out of the batch's file")))
+                continue
             if not client.alive:
                 dead.add(client)
             try:
@@ -461,7 +514,7 @@ class UploadService:
     def _finish_task(self, t: _Task) -> None:
         with self.lock:
             t.client.tasks.pop(t.task_id, None)
-        if not t.client.alive:
+        if not t.client.alive and t.segment:
             shm.unlink(t.segment)  # the owner is gone: the service inherits its segments
 
     def _after_finish(self, c: _Client) -> None:
@@ -487,10 +540,14 @@ class UploadService:
         with self.lock:
             client.alive = False
             self.clients.pop(client.cid, None)
+        for fut, _at in list(client.regions.values()):  # attempts waiting for it fail now
+            if not fut.done():
+                fut.set_exception(UploadServiceError(f"client {client.cid} (pid {client.pid}) disconnected "
+                                                     "before writing its change sets"))
         # its queued tasks are dropped (nobody hears of them); their segments are unlinked
         self.scheduler.cancel(lambda t: t.client is client, CancelledError("the client is gone"))
         with self.lock:
-            in_use = {t.segment for t in client.tasks.values()}  # in a running attempt
+            in_use = {t.segment for t in client.tasks.values() if t.segment}  # in a running attempt
         if not client.closing:
             log.warning("client %s (pid %s) disconnected without closing: reclaiming its memory; its "
                         "unconfirmed files become orphans (deleted after the grace period unless a "
@@ -501,6 +558,51 @@ class UploadService:
             if name not in in_use:
                 shm.unlink(name)
         self._arm_linger()
+
+    # ---- change sets the clients write -----------------------------------------------------
+    def fill_regions(self, paths: List[str], held: list, tasks: List[_Task], limit_s: Optional[float],
+                     settled) -> None:
+        """Have each client write its `held` [(file offset, HeldSpan)] into `paths` and wait for all
+        of them. Raises (an OSError, so the policy retries) if one fails, disconnects, or is still
+        writing at `limit_s` or once the action was decided without this attempt."""
+        per_client: Dict[_Client, list] = {}
+        for off, span in held:
+            t = tasks[span.owner]
+            per_client.setdefault(t.client, []).append((t.task_id, span.ref, off))
+        attempt_id = next(_attempt_ids)
+        waits = []
+        try:
+            for client, writes in per_client.items():
+                fut: Future = Future()
+                client.regions[attempt_id] = (fut, time.monotonic())
+                if not client.alive:  # _client_gone may have run before the entry existed
+                    raise UploadServiceError(f"client {client.cid} (pid {client.pid}) is gone")
+                client.send(WriteRegion(attempt_id, paths, writes))
+                waits.append((client, fut))
+            deadline = None if not limit_s else time.monotonic() + limit_s
+            for client, fut in waits:
+                while True:
+                    try:
+                        error = fut.result(_REGION_POLL_S)
+                        break
+                    except _FutureTimeout:
+                        if (deadline is not None and time.monotonic() >= deadline) or settled():
+                            raise TimeoutError(f"client {client.cid} (pid {client.pid}) did not write its "
+                                               "change sets before the attempt was given up") from None
+                if error is not None:
+                    raise error
+        finally:
+            # an unanswered request stays until its answer comes, however late: until then the
+            # client counts as stalled (`_Client.stalled`) and later attempts leave it out
+            for client in per_client:
+                entry = client.regions.get(attempt_id)
+                if entry is not None and entry[0].done():
+                    client.regions.pop(attempt_id, None)
+
+    def _on_written(self, msg: Written, client: _Client) -> None:
+        entry = client.regions.pop(msg.attempt_id, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(msg.error)
 
     # ---- registry and calls ----------------------------------------------------------------
     def _on_release(self, msg: Release, client: _Client) -> None:

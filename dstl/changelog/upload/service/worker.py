@@ -80,9 +80,12 @@ def intended_url(job: dict) -> str:
     return dfs.url_of(fs, f"{directory}/{job['file_name']}")
 
 
-def run_attempt(job: dict) -> dict:
+def run_attempt(job: dict, delegate=None) -> dict:
     """Upload one batch. `job`: base_path, job_id, local_dir, compression, buffer_size and
     `tasks`: [(task_key, segment, [(offset, length, log_id_bytes, sqn, size, num_changes)])].
+    A task whose segment is "" is held by its client: its regions are left to `delegate` (see
+    `StateChangeFsUploader.upload`), with `HeldSpan(length, task's position in tasks, item index)`.
+    The upload service runs such attempts in its own threads, each with an uploader of its own.
 
     Returns path, local_path, logical_size, started ([(path, n)]), metrics and per task
     [(sqn, offset, local_offset, size)] in file order.
@@ -90,40 +93,47 @@ def run_attempt(job: dict) -> dict:
     from dstl.types import SealedChangeSet
     from dstl.changelog.upload.service import shm
     from dstl.changelog.upload.task import UploadTask
-    from dstl.changelog.upload.uploader import FileSpan, StateChangeFsUploader
+    from dstl.changelog.upload.uploader import FileSpan, HeldSpan, StateChangeFsUploader
 
     global _mapped
-    if _mapped is None:
-        from dstl.changelog.upload.service.mapped import MappedSegments
-
-        _mapped = MappedSegments()
-    _mapped.prune()
     metrics = _AttemptMetrics()
     registry = _CollectingRegistry()
     key = (job["base_path"], job["job_id"], job["local_dir"], job["compression"], job["buffer_size"])
-    uploader = _uploaders.get(key)
+    uploader = _uploaders.get(key) if delegate is None else None
     if uploader is None:
         uploader = StateChangeFsUploader(job["base_path"], job["job_id"], job["compression"],
                                          job["buffer_size"], registry, metrics, job["local_dir"])
-        _uploaders[key] = uploader
+        if delegate is None:  # kept per uploader process (one attempt at a time there)
+            _uploaders[key] = uploader
     uploader.registry = registry
     uploader.metrics = metrics
+    if delegate is None:
+        if _mapped is None:
+            from dstl.changelog.upload.service.mapped import MappedSegments
+
+            _mapped = MappedSegments()
+        _mapped.prune()
     segments: Dict[str, int] = {}  # segment name -> read-only descriptor
     tasks = []
     try:
-        for _task_key, seg_name, items in job["tasks"]:
+        for position, (_task_key, seg_name, items) in enumerate(job["tasks"]):
+            if not seg_name:
+                sets = [SealedChangeSet(uuid.UUID(bytes=log_id), sqn, HeldSpan(length, position, index), size, num)
+                        for index, (_off, length, log_id, sqn, size, num) in enumerate(items)]
+                tasks.append(UploadTask(sets, _noop, _noop))
+                continue
             fd = segments.get(seg_name)
             if fd is None:
                 fd = segments[seg_name] = shm.open_readonly(seg_name)
             # mapped only where the kernel copies from it: raw bodies into a local file
             m = (_mapped.get(seg_name, fd, max(off + length for off, length, *_ in items))
-                 if uploader.local_raw and items else None)
+                 if uploader.local_raw and items and delegate is None else None)
             sets = [SealedChangeSet(uuid.UUID(bytes=log_id), sqn, FileSpan(fd, off, length, m), size, num)
                     for off, length, log_id, sqn, size, num in items]
             tasks.append(UploadTask(sets, _noop, _noop))
         try:
             # the service chose and announced the name, so a worker killed mid-write leaves no unknown file
-            result = uploader.upload(tasks, file_name=job.get("file_name"))
+            result = uploader.upload(tasks, file_name=job.get("file_name"), delegate=delegate)
         except BaseException as exc:
             exc.dstl_metrics = metrics.as_dict()  # type: ignore[attr-defined]
             raise
@@ -144,7 +154,7 @@ def run_attempt(job: dict) -> dict:
             os.close(fd)
 
 
-def _portable(exc: BaseException) -> BaseException:
+def portable_error(exc: BaseException) -> BaseException:
     """An exception that survives pickling (else an OSError carrying its text)."""
     import pickle
 
@@ -178,7 +188,7 @@ def worker_main(conn) -> None:
             res["wall_ns"] = time.perf_counter_ns() - start
             return AttemptDone(res)
         except BaseException as exc:  # an attempt's failure is data, not the worker's death
-            return AttemptFailed(_portable(exc), getattr(exc, "dstl_metrics", None))
+            return AttemptFailed(portable_error(exc), getattr(exc, "dstl_metrics", None))
 
     table = {Job: attempt, Stop: lambda _msg: None}
     conn.send(WorkerReady(os.getpid()))
@@ -212,4 +222,4 @@ def _preload_user_modules() -> None:
         importlib.import_module(name)
 
 
-__all__ = ["run_attempt", "worker_main"]
+__all__ = ["run_attempt", "worker_main", "portable_error"]
