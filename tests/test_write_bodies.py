@@ -15,11 +15,11 @@ from dstl._fast import _buffer_py
 from format_helpers import CYTHON, impl_params
 
 
-def _write_bodies(impl):
+def _write_bodies(impl, name="write_bodies"):
     if impl.name == "python":
-        return _buffer_py.write_bodies
+        return getattr(_buffer_py, name)
     from dstl._fast import _buffer
-    return _buffer.write_bodies
+    return getattr(_buffer, name)
 
 
 @pytest.fixture(params=[512 << 10, 4096, 7])
@@ -122,6 +122,39 @@ def test_a_failing_write_is_an_oserror(impl, tmp_path):
         assert info.value.errno == errno.EBADF
     finally:
         os.close(fd)
+
+
+@impl_params
+@pytest.mark.parametrize("seed", range(3))
+def test_bodies_at_an_offset_of_existing_files(impl, seed, piece, tmp_path):
+    """write_bodies_at opens files that exist (never creating or truncating them), writes from the
+    offset and closes them: what an upload-service client does into the file the service made."""
+    bodies, expected = _bodies_and_bytes(impl, seed)
+    paths = [tmp_path / "a", tmp_path / "b"]
+    for p in paths:
+        p.write_bytes(b"H" + b"\xee" * (len(expected) + 20))  # made and sized by someone else
+    assert _write_bodies(impl, "write_bodies_at")([str(p) for p in paths], 11, bodies) == len(expected)
+    for p in paths:
+        got = p.read_bytes()
+        assert len(got) == len(expected) + 21, "the file was truncated or extended"
+        assert got[:11] == b"H" + b"\xee" * 10 and got[11:11 + len(expected)] == expected
+        assert got[11 + len(expected):] == b"\xee" * 10
+
+
+@impl_params
+def test_bodies_at_refuse_missing_files_and_bad_input(impl, tmp_path):
+    at = _write_bodies(impl, "write_bodies_at")
+    (tmp_path / "there").write_bytes(b"")
+    missing = tmp_path / "gone"
+    with pytest.raises(OSError, match="cannot open .*gone at byte 5") as info:
+        at([str(tmp_path / "there"), str(missing)], 5, [b"payload"])
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(missing)
+    assert not missing.exists(), "a missing file must not be created"
+    with pytest.raises(ValueError, match="negative offset"):
+        at([str(tmp_path / "there")], -1, [b"x"])
+    with pytest.raises(ValueError, match="at most 4 paths"):
+        at([str(tmp_path / "there")] * 5, 0, [b"x"])
+    assert at([str(tmp_path / "there")], 0, []) == 0
 
 
 def test_the_facade_picks_the_loaded_implementation():

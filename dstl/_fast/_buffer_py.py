@@ -226,6 +226,33 @@ def write_bodies(fds, bodies) -> int:
     return pos
 
 
+def write_bodies_at(paths, offset, bodies) -> int:
+    """Open each of `paths` (existing files: write-only, never created or truncated), write `bodies`
+    from byte `offset` as `write_bodies` does and close it; OSError naming a path that cannot be
+    opened (twin of the Cython routine, which does all of it in one GIL release)."""
+    paths = list(paths)
+    if len(paths) > MAX_FDS:
+        raise ValueError(f"write_bodies_at: at most {MAX_FDS} paths")
+    if operator.index(offset) < 0:
+        raise ValueError(f"write_bodies_at: negative offset {offset}")
+    if not bodies:
+        return 0
+    fds = []
+    try:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise OSError(exc.errno, f"write_bodies_at: cannot open {os.fsdecode(p)} at byte {offset}: "
+                                         f"{os.strerror(exc.errno)}", os.fsdecode(p)) from None
+            fds.append(fd)
+            os.lseek(fd, offset, os.SEEK_SET)
+        return write_bodies(fds, bodies)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 

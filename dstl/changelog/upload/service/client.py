@@ -400,9 +400,10 @@ class ServiceConnection:
                     pass
 
     def _write_regions(self, msg: WriteRegion) -> None:
-        """Write the asked change sets of pending tasks into the attempt's files, each run of
-        adjacent ones with one `write_bodies` call (the GIL released around all of it)."""
-        from dstl.format import write_bodies
+        """Write the asked change sets of pending tasks into the attempt's files (made and sized by
+        the service: never created here), each run of adjacent ones with one `write_bodies_at`
+        call, which opens, writes and closes in one GIL release."""
+        from dstl.format import write_bodies_at
 
         with self._lock:
             entries = [(self._pending.get(task_id), index, off) for task_id, index, off in msg.writes]
@@ -412,24 +413,15 @@ class ServiceConnection:
                 raise UploadServiceError(f"task {task_id} is no longer pending in this client")
             spans.append((off, entry[0].change_sets[index].body))
         spans.sort(key=lambda e: e[0])
-        fds = []
-        try:
-            for path in msg.paths:  # made and sized by the service: never created here
-                fds.append(os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)))
-            i = 0
-            while i < len(spans):
-                start, end, run = spans[i][0], spans[i][0], []
-                while i < len(spans) and spans[i][0] == end:
-                    run.append(spans[i][1])
-                    end += len(spans[i][1])
-                    i += 1
-                for fd in fds:
-                    os.lseek(fd, start, os.SEEK_SET)
-                write_bodies(fds, run)
-                self.bytes_written += end - start
-        finally:
-            for fd in fds:
-                os.close(fd)
+        i = 0
+        while i < len(spans):
+            start, end, run = spans[i][0], spans[i][0], []
+            while i < len(spans) and spans[i][0] == end:
+                run.append(spans[i][1])
+                end += len(spans[i][1])
+                i += 1
+            write_bodies_at(msg.paths, start, run)
+            self.bytes_written += end - start
 
     def _take_free(self, need: int) -> Optional[shm.Segment]:
         """The kept segment that fits `need` bytes best (the smallest big enough, else the largest,
