@@ -14,6 +14,7 @@ import pytest
 from service_util import python_child, wait_dead
 from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
+from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV
 from dstl.changelog.upload.uploader import HeldSpan, StateChangeFsUploader
 from dstl.types import KeyGroupRange
@@ -95,15 +96,16 @@ while conn._unsent or not conn._pending:  # the descriptor is on its way: the ta
 print(json.dumps({"service": conn.service_pid}), flush=True)
 try:
     h = f.result(60).job_manager_owned_snapshot
-    print(json.dumps({"file": sorted({x.path for x, _ in h.handles_and_offsets})}), flush=True)
+    print(json.dumps({"file": sorted({x.path for x, _ in h.handles_and_offsets}), "handle": h.to_bytes().hex()}),
+          flush=True)
 except Exception as exc:
     print(json.dumps({"error": repr(exc)}), flush=True)
 s.close()
 """
 
 
-def _child(base, job, delay):
-    proc = python_child(_CHILD, str(base), job, delay)
+def _child(base, job, delay, client_writes="1"):
+    proc = python_child(_CHILD, str(base), job, delay, env=dict(os.environ, **{CLIENT_WRITES_ENV: client_writes}))
     line = proc.stdout.readline()
     assert line, proc.stderr.read()
     return proc, json.loads(line)["service"]
@@ -122,10 +124,13 @@ def _finish(proc):
     return [json.loads(x) for x in out.splitlines() if x.strip()]
 
 
-def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path):
+@pytest.mark.parametrize("child_writes", ["1", "0"])
+def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path, child_writes):
+    """Both clients' tasks go into one file; with DSTL_CLIENT_WRITES=0 in the other client, its part
+    comes from shared memory (the service's attempt copies it) and this one's from this client."""
     base = tmp_path / "base"
     job = uuid.uuid4().hex
-    proc, service = _child(base, job, "1500 ms")  # its task waits for company
+    proc, service = _child(base, job, "1500 ms", child_writes)  # its task waits for company
     try:
         runtime.remember(service)
         s = _storage(base, job_id=job, batch_persist_delay="1500 ms", upload_timeout="300 ms")
@@ -135,7 +140,9 @@ def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path):
         assert _read(s, handle) == _in_file_order(mine)
         proc.wait(30)
         child = _finish(proc)
-        assert child and child[0] == {"file": [_file_of(handle)]}, child
+        assert child and child[0]["file"] == [_file_of(handle)], child
+        theirs = ChangelogStateHandleStreamImpl.from_bytes(bytes.fromhex(child[0]["handle"]))
+        assert _read(s, theirs) == _in_file_order([(i % 128, b"child-%d" % i) for i in range(200)])
         assert s.scheduler.connection.bytes_shared == 0
         s.close()
     finally:
