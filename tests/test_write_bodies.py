@@ -157,6 +157,37 @@ def test_bodies_at_refuse_missing_files_and_bad_input(impl, tmp_path):
     assert at([str(tmp_path / "there")], 0, []) == 0
 
 
+@impl_params
+@pytest.mark.parametrize("size", [0, 3 << 20])
+def test_bodies_at_new_files_made_exclusively(impl, size, tmp_path):
+    """With create, the files are made (never an existing one), reserved when large, written and
+    closed; a failure on any of them removes what the call made and nothing else."""
+    at = _write_bodies(impl, "write_bodies_at")
+    bodies, expected = _bodies_and_bytes(impl, 1)
+    pad = b"\x00" * size  # a large body: the compiled routine reserves the size first
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    total = 1 + len(expected) + len(pad)
+    assert at(paths, 0, [b"\x00"] + bodies + [pad], create=True, size=total) == total
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read() == b"\x00" + expected + pad
+        assert os.stat(p).st_mode & 0o777 == 0o666 & ~_umask()
+    with pytest.raises(FileExistsError, match="cannot make .*a at byte 0"):
+        at([paths[0]], 0, [b"new"], create=True, size=3)
+    with open(paths[0], "rb") as f:
+        assert f.read() == b"\x00" + expected + pad, "an existing file must be left alone"
+    fresh, nowhere = str(tmp_path / "fresh"), str(tmp_path / "no-dir" / "x")
+    with pytest.raises(FileNotFoundError):
+        at([fresh, nowhere], 0, [b"x"], create=True, size=1)
+    assert not os.path.exists(fresh), "a file made by a failed call is removed again"
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
 def test_the_facade_picks_the_loaded_implementation():
     from dstl import format as fmt
     from dstl._impl import IMPLEMENTATION

@@ -964,11 +964,17 @@ cdef extern from "unistd.h" nogil:
     ssize_t c_write "write" (int fd, const void* buf, size_t count)
     int64_t c_lseek "lseek" (int fd, int64_t offset, int whence)
     int c_close "close" (int fd)
+    int c_unlink "unlink" (const char* path)
+    int c_ftruncate "ftruncate" (int fd, int64_t length)
 
 cdef extern from "fcntl.h" nogil:
-    int c_open "open" (const char* path, int flags)
-    int O_WRONLY, O_CLOEXEC
+    int c_open "open" (const char* path, int flags, int mode)
+    int c_fallocate "fallocate" (int fd, int mode, int64_t offset, int64_t length)
+    int O_WRONLY, O_CLOEXEC, O_CREAT, O_EXCL
     int SEEK_SET
+
+cdef enum:
+    PREALLOCATE_MIN = 1 << 20  # smaller files gain nothing from reserving their blocks first
 
 cdef extern from "errno.h" nogil:
     int errno
@@ -1031,24 +1037,28 @@ def write_bodies(fds, bodies):
     return _bodies_out(cfds, nfds, bodies, None, 0)
 
 
-def write_bodies_at(paths, offset, bodies):
-    """Open each of `paths` (files that exist: write-only, never created or truncated), write
-    `bodies` into it from byte `offset` as `write_bodies` does, and close it, all in one GIL release.
+def write_bodies_at(paths, offset, bodies, create=False, size=-1):
+    """Open each of `paths`, write `bodies` into it from byte `offset` as `write_bodies` does, and
+    close it, all in one GIL release. The files exist (write-only, never created or truncated), or
+    with `create` are made exclusively (mode 0666 less the umask) with `size` bytes reserved first
+    when that is 1 MiB or more (fallocate; best effort), and are removed again if a write fails.
     A thread that writes beside a busy appending thread waits up to the interpreter's switch interval
     (5 ms) for the GIL after every system call it makes without it; here there is one. Returns the
-    bytes written to each file; OSError naming the path if one cannot be opened or written."""
+    bytes written to each file; OSError naming the path if one cannot be opened or made."""
     cdef int cfds[MAX_FDS]
     cdef list names = [os.fsencode(p) for p in paths]
     if len(names) > MAX_FDS:
         raise ValueError(f"write_bodies_at: at most {MAX_FDS} paths")
     if operator.index(offset) < 0:
         raise ValueError(f"write_bodies_at: negative offset {offset}")
-    return _bodies_out(cfds, len(names), bodies, names, offset)
+    return _bodies_out(cfds, len(names), bodies, names, offset, operator.index(size) if create else -2)
 
 
-cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset):
-    """write_bodies' work; with `names`, the nfds files are opened (and closed) inside the GIL release."""
+cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset, int64_t reserve=-2):
+    """write_bodies' work; with `names`, the nfds files are opened (and closed) inside the GIL release,
+    and made when `reserve` > -2 (the bytes to reserve, or -1)."""
     cdef int err = 0, opened = 0, failed_at = -1
+    cdef bint create = reserve > -2
     cdef const char* cnames[MAX_FDS]
     cdef Py_ssize_t nb = len(bodies), i, nviews = 0
     cdef int64_t pos = 0, got, size = piece_size
@@ -1064,11 +1074,11 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset)
     if open_here:
         for i in range(nfds):
             cnames[i] = <const char*>(<bytes>names[i])
-    if nb == 0 or nfds == 0:
+    if nfds == 0 or (nb == 0 and not create):
         return 0
-    views = <Py_buffer*>malloc(nb * sizeof(Py_buffer))
-    refs = <BodyRef*>malloc(nb * sizeof(BodyRef))
-    kinds = <int*>malloc(nb * sizeof(int))
+    views = <Py_buffer*>malloc((nb or 1) * sizeof(Py_buffer))
+    refs = <BodyRef*>malloc((nb or 1) * sizeof(BodyRef))
+    kinds = <int*>malloc((nb or 1) * sizeof(int))
     if views == NULL or refs == NULL or kinds == NULL:
         free(views)
         free(refs)
@@ -1101,7 +1111,12 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset)
         with nogil:
             if open_here:
                 for i in range(nfds):
-                    cfds[i] = c_open(cnames[i], O_WRONLY | O_CLOEXEC)
+                    if create:
+                        cfds[i] = c_open(cnames[i], O_WRONLY | O_CLOEXEC | O_CREAT | O_EXCL, 0o666)
+                        if cfds[i] >= 0 and reserve >= PREALLOCATE_MIN and c_fallocate(cfds[i], 0, 0, reserve) != 0:
+                            c_ftruncate(cfds[i], 0)  # a partial reservation must not stay
+                    else:
+                        cfds[i] = c_open(cnames[i], O_WRONLY | O_CLOEXEC, 0)
                     if cfds[i] < 0 or c_lseek(cfds[i], offset, SEEK_SET) < 0:
                         err = errno
                         failed_at = <int>i
@@ -1131,6 +1146,8 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset)
                     break
             for i in range(opened):
                 c_close(cfds[i])
+                if err and create:  # made here: a failed write leaves nothing behind
+                    c_unlink(cnames[i])
     finally:
         for i in range(nviews):
             if kinds[i] == 0:
@@ -1143,8 +1160,9 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset)
         if len(spares) < 4:
             spares.append(chunk)
     if err and failed_at >= 0:
-        raise OSError(err, f"write_bodies_at: cannot open {names[failed_at].decode(errors='replace')} "
-                           f"at byte {offset}: {os.strerror(err)}", os.fsdecode(names[failed_at]))
+        raise OSError(err, f"write_bodies_at: cannot {'make' if create else 'open'} "
+                           f"{names[failed_at].decode(errors='replace')} at byte {offset}: {os.strerror(err)}",
+                      os.fsdecode(names[failed_at]))
     if err:
         raise OSError(err, f"write_bodies: write failed at byte {pos} of the bodies: {os.strerror(err)}")
     return pos

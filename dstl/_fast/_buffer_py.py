@@ -226,31 +226,43 @@ def write_bodies(fds, bodies) -> int:
     return pos
 
 
-def write_bodies_at(paths, offset, bodies) -> int:
-    """Open each of `paths` (existing files: write-only, never created or truncated), write `bodies`
-    from byte `offset` as `write_bodies` does and close it; OSError naming a path that cannot be
-    opened (twin of the Cython routine, which does all of it in one GIL release)."""
+def write_bodies_at(paths, offset, bodies, create=False, size=-1) -> int:
+    """Open each of `paths` (existing files: write-only, never created or truncated; or, with
+    `create`, made exclusively and removed again if a write fails), write `bodies` from byte `offset`
+    as `write_bodies` does and close it; OSError naming a path that cannot be opened or made (twin
+    of the Cython routine, which does all of it in one GIL release and also reserves `size` bytes
+    first: the files end the same)."""
     paths = list(paths)
     if len(paths) > MAX_FDS:
         raise ValueError(f"write_bodies_at: at most {MAX_FDS} paths")
     if operator.index(offset) < 0:
         raise ValueError(f"write_bodies_at: negative offset {offset}")
-    if not bodies:
+    operator.index(size)  # checked as the compiled routine checks it
+    if not paths or (not bodies and not create):
         return 0
     fds = []
+    ok = False
     try:
         for p in paths:
             try:
-                fd = os.open(p, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                if create:
+                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                else:
+                    fd = os.open(p, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
-                raise OSError(exc.errno, f"write_bodies_at: cannot open {os.fsdecode(p)} at byte {offset}: "
-                                         f"{os.strerror(exc.errno)}", os.fsdecode(p)) from None
-            fds.append(fd)
+                raise OSError(exc.errno, f"write_bodies_at: cannot {'make' if create else 'open'} "
+                                         f"{os.fsdecode(p)} at byte {offset}: {os.strerror(exc.errno)}",
+                              os.fsdecode(p)) from None
+            fds.append(fd)  # no reservation here: it only saves the compiled routine block work
             os.lseek(fd, offset, os.SEEK_SET)
-        return write_bodies(fds, bodies)
+        n = write_bodies(fds, bodies)
+        ok = True
+        return n
     finally:
-        for fd in fds:
+        for fd, p in zip(fds, paths):
             os.close(fd)
+            if create and not ok:
+                os.unlink(p)
 
 
 class ChangeBuffer:
