@@ -208,6 +208,8 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     ("append_calls.py", ["--blocks", "2"], ["operator.is_ (no-op C call)", "writer.append", "/ no-op call"]),
     ("state_calls_ab.py", ["--calls", "2000", "--keys", "100", "--rounds", "1", "--baseline-dir", "."],
      ["update / dict set", "adapter: before / after, per round"]),
+    ("write_bound.py", ["--changes", "20000", "--rounds", "1"],
+     ["plain write", "thread, no file write", "memory copy"]),
     ("thread_mode_load.py", ["--changes", "20000", "--rounds", "1", "--burners", "1"],
      ["0 busy processes", "1 busy processes", "per record, process, switch 0.5 ms", "thread/process throughput"]),
 ])

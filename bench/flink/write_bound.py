@@ -42,6 +42,14 @@ def _no_write(fds, bodies) -> int:
     return sum(len(b) for b in bodies)
 
 
+def _no_write_at(paths, offset, bodies, create=False, size=-1) -> int:
+    """write_bodies_at without the bytes: the files are made (empty), nothing is laid out or copied."""
+    for p in paths:
+        if create:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return sum(len(b) for b in bodies)
+
+
 def copy_rate(nbytes: int = 200 << 20) -> dict:
     """GB/s of one large memcpy (numpy.copyto, which releases the GIL) on 1 and on 2 threads at once."""
     src = [np.ones(nbytes, np.uint8) for _ in range(2)]
@@ -71,7 +79,7 @@ def main(argv=None) -> int:
     storages = {}
     wall = {k: [] for k in ["plain write", *VARIANTS]}
     cpu = {k: [] for k in wall}
-    real_write = _uploader.write_bodies
+    real_write, real_write_at = _uploader.write_bodies, _uploader.write_bodies_at
     try:
         for name, (options, _) in VARIANTS.items():
             storages[name] = open_storage(os.path.join(root, name.replace(" ", "_").replace(",", "")), **options)
@@ -87,10 +95,11 @@ def main(argv=None) -> int:
                 cpu["plain write"].append(c)
             for name, (_, stub) in VARIANTS.items():
                 _uploader.write_bodies = _no_write if stub else real_write
+                _uploader.write_bodies_at = _no_write_at if stub else real_write_at
                 try:
                     t, handle = ds.write_vectorised(storages[name], f"bound-{rnd}", w, rnd + 1)
                 finally:
-                    _uploader.write_bodies = real_write
+                    _uploader.write_bodies, _uploader.write_bodies_at = real_write, real_write_at
                 ds.discard([handle])
                 if rnd:
                     wall[name].append(t)
