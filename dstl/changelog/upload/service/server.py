@@ -189,7 +189,7 @@ class _BatchAction:
         timeout_s = self.service.policy.timeout_ms / 1000.0
         included, left_out = [], {}
         for i, t in enumerate(self.tasks):
-            if t.client.stalled(timeout_s):
+            if not t.segment and t.client.stalled(timeout_s):  # a segment is there without its client
                 left_out[i] = (f"client {t.client.cid} (pid {t.client.pid}) is gone" if not t.client.alive else
                                f"client {t.client.cid} (pid {t.client.pid}) did not write its change sets "
                                f"within the upload timeout ({timeout_s * 1000:.0f} ms)")
