@@ -2,7 +2,8 @@
 
 Run as `python -m dstl.changelog.upload.service.server <service dir>` (clients start it; see `client.py`).
 Threads: one accepting connections, one per client reading its messages, the RetryingExecutor's
-attempt threads (each drives one attempt in an uploader process), timers. Children: the uploader pool
+attempt threads (each drives one attempt in an uploader process, or, for raw local files, makes the
+file and has the clients write their change sets into it), timers. Children: the uploader pool
 and the registry process (both forked from a forkserver).
 
 The core is thread mode's: one `BatchingStateChangeUploadScheduler` (its `UploadThrottle` and
@@ -10,7 +11,7 @@ The core is thread mode's: one `BatchingStateChangeUploadScheduler` (its `Upload
 in-flight bytes count every client, an availability change is pushed to every client, batches are cut
 by persist delay / size threshold and grouped by job (one file per job and local-recovery directory
 per drain). What is the service's own: an attempt runs in a pool process (`_BatchAction`), a task's
-bodies wait in a shared-memory segment, and settling a task answers its client.
+bodies wait in a shared-memory segment or in its client, and settling a task answers its client.
 """
 from __future__ import annotations
 
