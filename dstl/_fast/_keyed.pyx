@@ -6,6 +6,11 @@
 str, bytes, floats, bools, None and lists, tuples and dicts of them by hand, anything else through
 msgpack) and appends it. Twin: dstl/_fast/_keyed_py.py (byte-identical payloads, same errors).
 
+When the writer is a `WriterCore` (the changelog writer), the append is its C entry `_append_raw`:
+the encoded change goes from this kernel's buffer straight into the writer's arena, with no bytes
+object and no Python call. Any other `writer_append` (a wrapper, a test's function) is called with
+the payload as bytes.
+
 `binding=False`: the methods are plain C methods, so a bound `value_get`/`value_update` is a
 builtin method that CPython calls straight through its vectorcall slot (no Python method object).
 """
@@ -23,6 +28,7 @@ from libc.string cimport memcpy
 
 import msgpack
 
+from dstl._fast._buffer cimport WriterCore
 from dstl._fast._hash cimport _java_hash, _murmur
 from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 
@@ -44,7 +50,8 @@ cdef class KeyedAppender:
     """The appends of one keyed state backend: key -> key group, writer append, change counters,
     the deferred append error and the materialization interval (see the twin for the contract)."""
     cdef readonly object backend
-    cdef public object writer_append
+    cdef object _writer_append
+    cdef WriterCore core  # the writer when `writer_append` is a WriterCore's own append, else None
     cdef readonly object key_group_range
     cdef object maxp_obj
     cdef int32_t maxp, mask
@@ -59,7 +66,7 @@ cdef class KeyedAppender:
 
     def __cinit__(self, backend, writer_append, max_parallelism, key_group_range):
         self.backend = backend
-        self.writer_append = writer_append
+        self._set_writer(writer_append)
         self.maxp_obj = max_parallelism
         self.maxp = max_parallelism
         self.mask = self.maxp - 1 if self.maxp & (self.maxp - 1) == 0 else -1
@@ -72,6 +79,26 @@ cdef class KeyedAppender:
 
     def __dealloc__(self):
         free(self.buf)
+
+    cdef int _set_writer(self, writer_append) except -1:
+        w = getattr(writer_append, "__self__", None)
+        self._writer_append = writer_append
+        # the C entry only for WriterCore's own append bound to `w` (a subclass's override, another
+        # method or a wrapper is called as given)
+        if isinstance(w, WriterCore) and writer_append == WriterCore.append.__get__(w, type(w)):
+            self.core = <WriterCore>w
+        else:
+            self.core = None
+        return 0
+
+    @property
+    def writer_append(self):
+        """The writer's `append(key_group, payload)` the changes go to."""
+        return self._writer_append
+
+    @writer_append.setter
+    def writer_append(self, value):
+        self._set_writer(value)
 
     @property
     def closed(self):
@@ -102,20 +129,27 @@ cdef class KeyedAppender:
         """The key group of a state key (TypeError/ValueError as `key_group_of`)."""
         return self._kg(key)
 
-    cdef int _append(self, long kg, bytes payload) except -1:
+    cdef int _append(self, long kg, const unsigned char* data, Py_ssize_t n, object payload) except -1:
+        """Log one encoded change of key group `kg`: the `n` bytes at `data` (`payload`: them as a bytes
+        object, or None when there is none yet)."""
         if self._closed:
             raise closed_error(self.backend)
         try:
-            self.writer_append(kg, payload)
+            if self.core is not None:
+                self.core._append_raw(kg, data, n)
+            else:
+                if payload is None:
+                    payload = PyBytes_FromStringAndSize(<const char*>data, n)
+                self._writer_append(kg, payload)
         except OSError as exc:
             self.deferred_error = exc
         self.changes += 1
-        self.nbytes += PyBytes_GET_SIZE(payload)
+        self.nbytes += n
         return 0
 
-    def append(self, long kg, bytes payload):
+    def append(self, long kg, bytes payload not None):
         """Log one encoded change of key group `kg`."""
-        self._append(kg, payload)
+        self._append(kg, <const unsigned char*>PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload), payload)
 
     cdef inline bint _due(self) noexcept:
         """What the backend's `_mutated` would act on: a deferred append error, a reached interval."""
@@ -434,9 +468,9 @@ cdef class StateAppender:
         except (TypeError, ValueError, OverflowError) as exc:
             raise serialize_error(exc, self.name, key) from exc
         if pos == WHOLE:
-            k._append(g, payload)
+            k._append(g, <const unsigned char*>PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload), payload)
         else:
-            k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
+            k._append(g, k.buf, pos, None)
         return g
 
 
