@@ -371,3 +371,26 @@ def test_a_writer_that_overrides_append_is_called(tmp_path, monkeypatch, wname):
         assert len(seen) == len(IMPLS) and len(w._buffer) == len(IMPLS)
     finally:
         st_.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=_keys, value=_values, sid=st.sampled_from([0, 5, 127, 128, 70000, 2**40]))
+def test_bound_update_and_get_agree_in_both_implementations(key, value, sid):
+    """The bound update/get (int keys read once, hashed inline, the state id packed once) log what
+    changes.encode gives and fail the same way as the twin, for any key, value and state id."""
+    results = []
+    for _, mod in IMPLS:
+        k, log, backend = _appender(mod)
+        slow = []
+        backend._mutated = lambda: None
+        get, update = k.for_state(sid, "v").bind_value(C.SET, lambda kk, d: slow.append(("get", kk)) or d,
+                                                       lambda kk, v: slow.append(("update", kk, v)))
+        out = _outcome(lambda: update(key, value))
+        results.append((out, log, slow, _outcome(lambda: get(key, "absent")), k.changes, k.nbytes))
+    for out, log, slow, got, changes, nbytes in results:
+        if out[0] == "ok" and not slow:
+            assert log == [(_hash_py.assign_to_key_group(key, 128), C.encode(C.SET, [sid, key, value]))]
+            assert got == ("ok", value) and (changes, nbytes) == (1, len(log[0][1]))
+        else:
+            assert log == [] and changes == 0
+    assert all(r == results[0] for r in results)

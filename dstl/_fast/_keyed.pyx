@@ -29,7 +29,7 @@ from libc.string cimport memcpy
 import msgpack
 
 from dstl._fast._buffer cimport WriterCore
-from dstl._fast._hash cimport _java_hash, _murmur
+from dstl._fast._hash cimport _java_hash, _long_hash, _murmur
 from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 
 cdef extern from "Python.h":
@@ -114,12 +114,14 @@ cdef class KeyedAppender:
                 (<StateAppender>s).slots = None
 
     cdef inline long _kg(self, key) except -1:
-        cdef long g
-        cdef int32_t m
         if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return key_group_of(key, self.maxp_obj, self.kg_start, self.kg_end, self.key_group_range)
-        m = _murmur(_java_hash(key))
-        g = (m & self.mask) if self.mask >= 0 else (m % self.maxp)  # murmur is never negative
+        return self._group(_java_hash(key), key)
+
+    cdef inline long _group(self, uint32_t code, key) except -1:
+        """The key group of `key`, whose Java hashCode is `code`, checked against the range."""
+        cdef int32_t m = _murmur(code)
+        cdef long g = (m & self.mask) if self.mask >= 0 else (m % self.maxp)  # murmur is never negative
         if g < self.kg_start or g > self.kg_end:
             raise ValueError(f"key {key!r} belongs to key group {g}, outside this backend's range "
                              f"{self.key_group_range}")
@@ -166,6 +168,9 @@ cdef class KeyedAppender:
         s.k = self
         s.state_id = state_id
         s.sid = state_id
+        s.sid_len = -1
+        if PyLong_CheckExact(state_id) and -2**63 <= state_id < 2**63:
+            s.sid_len = <int>pack_int(s.sid_packed, state_id)
         s.name = name
         s.tables = self.backend._table
         if not self._closed:
@@ -356,6 +361,8 @@ cdef class StateAppender:
     cdef readonly object state_id
     cdef readonly object name
     cdef object sid
+    cdef unsigned char sid_packed[9]  # the state id's msgpack int, encoded once (sid_len -1: packed per change)
+    cdef int sid_len
     cdef dict tables
     # per key group of the backend's range, this state's {key: value} of that group once it exists:
     # a list index instead of two dict lookups. The table never replaces or drops such a dict while the
@@ -421,9 +428,17 @@ cdef class StateAppender:
 
     def value_get(self, key, default=None):
         """ValueState.get (see bind_value)."""
-        if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+        cdef long long v
+        cdef int overflow = 0
+        cdef long g
+        if PyLong_CheckExact(key):  # the common key: its value read once, hashed inline
+            v = PyLong_AsLongLongAndOverflow(key, &overflow)
+            g = self.k._kg(key) if overflow else self.k._group(_long_hash(v), key)
+        elif PyUnicode_CheckExact(key) or PyBytes_CheckExact(key):
+            g = self.k._kg(key)
+        else:
             return self.slow_get(key, default)
-        d = self._entries(self.k._kg(key), False)
+        d = self._entries(g, False)
         if d is None:
             return default
         return (<dict>d).get(key, default)
@@ -432,28 +447,49 @@ cdef class StateAppender:
         """ValueState.update (see bind_value): logs SET, sets the entry, then the backend's `_mutated`
         when it has something to do (a deferred append error, a reached materialization interval)."""
         cdef long g
-        cdef KeyedAppender k
-        if value is None or not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+        cdef long long v
+        cdef int overflow = 0
+        cdef KeyedAppender k = self.k
+        if value is None:
             return self.slow_update(key, value)
-        g = self._change(self.set_op, key, None, value)
+        if PyLong_CheckExact(key):  # the common key: its value read once, for the hash and the payload
+            v = PyLong_AsLongLongAndOverflow(key, &overflow)
+            if overflow:
+                g = self._change(self.set_op, key, None, value)  # raises the int64 range error
+            else:
+                g = self._log(k._group(_long_hash(v), key), self.set_op, key, None, value, True, v)
+        elif PyUnicode_CheckExact(key) or PyBytes_CheckExact(key):
+            g = self._change(self.set_op, key, None, value)
+        else:
+            return self.slow_update(key, value)
         self._put(g, key, value)
-        k = self.k
         if k._due():
             k.backend._mutated()
 
     cdef long _change(self, int op, key, tuple fields, object one) except -1:
         """Log `[state_id, key, *fields]` (fields None: the one field `one`) under `op`."""
+        return self._log(self.k._kg(key), op, key, fields, one, False, 0)
+
+    cdef long _log(self, long g, int op, key, tuple fields, object one, bint int_key, int64_t kv) except -1:
+        """`_change` of a key whose key group `g` is known (`int_key`: an int key whose value is `kv`)."""
         cdef KeyedAppender k = self.k
-        cdef long g = k._kg(key)
         cdef Py_ssize_t pos = WHOLE, i, nf = 1 if fields is None else len(fields)
         try:
             if nf <= 13 and 0 <= op <= 255:  # a fixarray and an op byte, else as the twin does it
-                k._reserve(2)
+                k._reserve(2 + 9 + 9)
                 k.buf[0] = <unsigned char>op
                 k.buf[1] = <unsigned char>(0x90 | (nf + 2))
-                pos = pack_obj(k, 2, self.sid, 0)
+                if self.sid_len >= 0:
+                    memcpy(k.buf + 2, self.sid_packed, self.sid_len)
+                    pos = 2 + self.sid_len
+                else:
+                    pos = pack_obj(k, 2, self.sid, 0)
                 if pos != WHOLE:
-                    pos = pack_obj(k, pos, key, 0)
+                    if int_key:
+                        k._reserve(pos + 9)
+                        pos += pack_int(k.buf + pos, kv)
+                    else:
+                        pos = pack_obj(k, pos, key, 0)
                 if fields is None:
                     if pos != WHOLE:
                         pos = pack_obj(k, pos, one, 0)
