@@ -479,7 +479,10 @@ cdef class StateAppender:
                 k._reserve(2 + 9 + 9)
                 k.buf[0] = <unsigned char>op
                 k.buf[1] = <unsigned char>(0x90 | (nf + 2))
-                if self.sid_len >= 0:
+                if self.sid_len == 1:  # a positive fixint (a state id below 128): no memcpy call
+                    k.buf[2] = self.sid_packed[0]
+                    pos = 3
+                elif self.sid_len > 0:
                     memcpy(k.buf + 2, self.sid_packed, self.sid_len)
                     pos = 2 + self.sid_len
                 else:
