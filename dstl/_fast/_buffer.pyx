@@ -151,6 +151,27 @@ cdef bint _valid_rows(const int32_t[::1] k, const int64_t[::1] o, data_view):
     return ok
 
 
+cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1:
+    """ChangeBuffer._add_raw, as a function that the class's own `_add` calls inline."""
+    if self.busy:
+        self._check_idle()
+    if length > INT32_MAX:
+        raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
+    if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
+        self._reserve(1, length)
+    if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
+        self._new_run(NULL)
+    memcpy(self.arena + self.arena_len, src, length)
+    self.kgs[self.n] = kg
+    self.offs[self.n] = self.arena_len
+    self.lens[self.n] = <int32_t>length
+    self.n += 1
+    self.arena_len += length
+    self.payload += length
+    self._count(kg + 1, 1)
+    return 0
+
+
 cdef class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 
@@ -286,7 +307,7 @@ cdef class ChangeBuffer:
         if self.busy:
             self._check_idle()
         if PyBytes_CheckExact(data):
-            return self._add_raw(kg, <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+            return add_raw(self, kg, <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
         if isinstance(data, str):
             byte_view(data)  # raises the twin's TypeError
         try:
@@ -295,30 +316,14 @@ cdef class ChangeBuffer:
             byte_view(data)  # raises the twin's TypeError
             raise TypeError(f"change data must be a contiguous bytes-like object, got {type(data).__name__}")
         try:
-            self._add_raw(kg, <const unsigned char*>view.buf, view.len)
+            add_raw(self, kg, <const unsigned char*>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
         return 0
 
     cdef int _add_raw(self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1:
         """Copy `length` bytes at `src` as one change (key group already checked) into the arena."""
-        if self.busy:
-            self._check_idle()
-        if length > INT32_MAX:
-            raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
-        if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
-            self._reserve(1, length)
-        if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
-            self._new_run(NULL)
-        memcpy(self.arena + self.arena_len, src, length)
-        self.kgs[self.n] = kg
-        self.offs[self.n] = self.arena_len
-        self.lens[self.n] = <int32_t>length
-        self.n += 1
-        self.arena_len += length
-        self.payload += length
-        self._count(kg + 1, 1)
-        return 0
+        return add_raw(self, kg, src, length)
 
     def append_many(self, key_groups, data, offsets):
         """Add n changes given in Arrow's binary layout (key groups, one data buffer, n+1 offsets); all-or-nothing."""
