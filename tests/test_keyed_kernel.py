@@ -230,3 +230,167 @@ def test_value_state_binds_the_fast_path_only_where_it_applies(tmp_path):
         assert b.materializations == 1 and b._since_changes == 0
         assert [v.get(i) for i in range(3)] == [0, 10, 20]
         b.close()
+
+
+# -- through a real changelog writer ----------------------------------------------------------------
+# The Cython kernel hands a Cython writer's own `append` the encoded change in C (WriterCore._append_raw:
+# no bytes object, no Python call); anything else gets bytes through the call. Every pairing of kernel
+# and writer core must log the same files.
+
+from test_writer_hotpath import CORES, T, _error, _handle_shape, _read, _Storage  # noqa: E402
+
+
+def _changes(seed, n):
+    """n mixed single-key changes `(sid, name, op, key, fields)`: sets, adds, clears, many-field (msgpack)
+    arrays, a nested value, values that do not fit the writer's arena as it is (a new arena, the slow
+    copy), keys over the whole key-group range."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        sid, name = rng.choice([(0, "v"), (1, "l"), (7, "m")])
+        key = rng.choice([rng.randrange(-2**40, 2**40), f"user-{rng.randrange(5000)}", b"k%d" % rng.randrange(99)])
+        r = rng.random()
+        if r < 0.5:
+            op, fields = C.SET, [rng.choice([rng.randrange(-2**63, 2**63), "x" * rng.randrange(300), 1.5, None,
+                                             True, [1, "two", 3.0], {"a": [1, {"b": b"c"}]}])]
+        elif r < 0.75:
+            op, fields = C.ADD_ELEMENT, [rng.randrange(1000)]
+        elif r < 0.9:
+            op, fields = C.CLEAR, []
+        else:
+            op, fields = C.ADD_OR_UPDATE_ELEMENT, list(range(rng.randrange(12, 20)))
+        if i % 97 == 50:
+            fields = [b"\xab" * rng.randrange(70_000, 200_000)]
+        out.append((sid, name, op, key, fields))
+    return out
+
+
+def _by_group(changes):
+    groups = {}
+    for kg, data in changes:
+        groups.setdefault(kg, []).append(bytes(data))
+    return groups
+
+
+def test_every_kernel_and_writer_pairing_logs_the_same_files(tmp_path, monkeypatch):
+    changes = _changes(11, 1500)
+    expected = _by_group((_hash_py.assign_to_key_group(key, 128), C.encode(op, [sid, key] + fields))
+                         for sid, _, op, key, fields in changes)
+    shapes, reads = {}, {}
+    for kname, mod in IMPLS:
+        for wname, _ in CORES:
+            st_ = _Storage(tmp_path / f"{kname}-{wname}", wname, monkeypatch, preemptive_persist_threshold="4 kb")
+            try:
+                w = st_.writer(KeyGroupRange(0, 127))
+                k = mod.KeyedAppender(_Backend(KeyGroupRange(0, 127)), w.append, 128, KeyGroupRange(0, 127))
+                states = {}
+                for sid, name, op, key, fields in changes:
+                    if sid not in states:
+                        states[sid] = k.for_state(sid, name)
+                    states[sid].change(op, key, *fields)
+                assert (k.changes, k.nbytes) == (len(changes), sum(map(len, sum(expected.values(), []))))
+                assert k.deferred_error is None
+                h = w.persist(0, 1).result(T).job_manager_owned_snapshot
+                shapes[kname, wname] = _handle_shape(h)
+                reads[kname, wname] = _read(st_.storage, h)
+            finally:
+                st_.close()
+            assert _by_group(reads[kname, wname]) == expected
+            assert len(shapes[kname, wname][0]) > 10  # pre-emptive persists sealed many change sets
+    first = next(iter(shapes))
+    assert all(shapes[p] == shapes[first] and reads[p] == reads[first] for p in shapes)
+
+
+def test_writer_errors_are_the_same_through_every_pairing(tmp_path, monkeypatch):
+    """The writer's own errors reach the caller unchanged, nothing counted: a key group outside the
+    writer's range, a closed writer. A pre-emptive persist that fails with OSError after the change
+    was taken leaves it in deferred_error, the change counted and logged."""
+    key_out = next(i for i in range(1000) if _hash_py.assign_to_key_group(i, 128) > 63)
+    key_in = next(i for i in range(1000) if _hash_py.assign_to_key_group(i, 128) <= 63)
+    got = {}
+    for kname, mod in IMPLS:
+        for wname, _ in CORES:
+            st_ = _Storage(tmp_path / f"{kname}-{wname}", wname, monkeypatch, preemptive_persist_threshold="1 kb")
+            out = []
+            try:
+                w = st_.writer(KeyGroupRange(0, 63))
+                k = mod.KeyedAppender(_Backend(KeyGroupRange(0, 127)), w.append, 128, KeyGroupRange(0, 127))
+                s = k.for_state(3, "v")
+                for key in (key_out, key_in):
+                    out.append(_outcome(lambda: s.change(C.SET, key, "x" * 10)))
+                out.append((k.changes, k.nbytes))
+
+                def fail():
+                    raise OSError("pre-emptive upload failed")
+
+                w._preemptive = fail
+                out.append(_outcome(lambda: s.change(C.SET, key_in, "y" * 2000)))
+                out.append((k.changes, k.nbytes, repr(k.deferred_error), len(w._buffer)))
+                w.close()
+                try:
+                    s.change(C.SET, key_in, 1)
+                except Exception as exc:  # compared below, type and message
+                    out.append(_error(exc, w))
+                out.append((k.changes, k.nbytes))
+            finally:
+                st_.close()
+            got[kname, wname] = out
+    first = got[next(iter(got))]
+    assert first[0][0] is ValueError and "outside the writer's range KeyGroupRange" in first[0][1]
+    assert first[1] == ("ok", _hash_py.assign_to_key_group(key_in, 128)) and first[2][0] == 1
+    assert first[4][0] == 2 and "pre-emptive upload failed" in first[4][2] and first[4][3] == 2
+    assert "WriterClosedError" in repr(first[5][0]) and first[6] == first[4][:2]
+    assert all(v == first for v in got.values())
+
+
+@pytest.mark.parametrize("wname", [w for w, _ in CORES])
+def test_a_writer_that_overrides_append_is_called(tmp_path, monkeypatch, wname):
+    """Only WriterCore's own append is taken in C: a subclass's override, and a writer swapped in
+    later, get every change through the call."""
+    st_ = _Storage(tmp_path, wname, monkeypatch)
+    try:
+        w = st_.writer(KeyGroupRange(0, 127))
+        seen = []
+
+        class Spy(type(w)):
+            def append(self, key_group, data):
+                seen.append((key_group, data))
+                super().append(key_group, data)
+
+        w.__class__ = Spy
+        for _, mod in IMPLS:
+            k = mod.KeyedAppender(_Backend(KeyGroupRange(0, 127)), w.append, 128, KeyGroupRange(0, 127))
+            kg = k.for_state(0, "v").change(C.SET, "ann", 1)
+            assert seen[-1] == (kg, C.encode(C.SET, [0, "ann", 1])) and type(seen[-1][1]) is bytes
+            other = []
+            k.writer_append = lambda g, data: other.append((g, data))
+            k.for_state(0, "v").change(C.SET, "bob", 2)
+            assert other == [(_hash_py.assign_to_key_group("bob", 128), C.encode(C.SET, [0, "bob", 2]))]
+        assert len(seen) == len(IMPLS) and len(w._buffer) == len(IMPLS)
+    finally:
+        st_.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=_keys, value=_values, sid=st.sampled_from([0, 5, 127, 128, 70000, 2**40]))
+def test_bound_update_and_get_agree_in_both_implementations(key, value, sid):
+    """The bound update/get (int keys read once, hashed inline, the state id packed once) log what
+    changes.encode gives and fail the same way as the twin, for any key, value and state id."""
+    results = []
+    for _, mod in IMPLS:
+        k, log, backend = _appender(mod)
+        slow = []
+        backend._mutated = lambda: None
+        get, update = k.for_state(sid, "v").bind_value(C.SET, lambda kk, d: slow.append(("get", kk)) or d,
+                                                       lambda kk, v: slow.append(("update", kk, v)))
+        out = _outcome(lambda: update(key, value))
+        results.append((out, log, slow, _outcome(lambda: get(key, "absent")), k.changes, k.nbytes))
+    for out, log, slow, got, changes, nbytes in results:
+        if out[0] == "ok" and not slow:
+            assert log == [(_hash_py.assign_to_key_group(key, 128), C.encode(C.SET, [sid, key, value]))]
+            assert got == ("ok", value) and (changes, nbytes) == (1, len(log[0][1]))
+        else:
+            assert log == [] and changes == 0
+    assert all(r == results[0] for r in results)

@@ -151,24 +151,31 @@ cdef bint _valid_rows(const int32_t[::1] k, const int64_t[::1] o, data_view):
     return ok
 
 
+cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1:
+    """ChangeBuffer._add_raw, as a function that the class's own `_add` calls inline."""
+    if self.busy:
+        self._check_idle()
+    if length > INT32_MAX:
+        raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
+    if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
+        self._reserve(1, length)
+    if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
+        self._new_run(NULL)
+    memcpy(self.arena + self.arena_len, src, length)
+    self.kgs[self.n] = kg
+    self.offs[self.n] = self.arena_len
+    self.lens[self.n] = <int32_t>length
+    self.n += 1
+    self.arena_len += length
+    self.payload += length
+    self._count(kg + 1, 1)
+    return 0
+
+
 cdef class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 
-    cdef unsigned char* arena
-    cdef int64_t arena_len, arena_cap
-    cdef int32_t* kgs
-    cdef int64_t* offs
-    cdef int32_t* lens
-    cdef int64_t n, cap
-    cdef int64_t* counts        # per slot, allocated with the first change
-    cdef int64_t num_groups
-    cdef int min_slot, max_slot
-    cdef int64_t payload
-    cdef bint busy
-    cdef int64_t* run_first     # first record index of each run
-    cdef const unsigned char** run_ptr   # payload base of each run; NULL = the arena
-    cdef int64_t nruns, runs_cap
-    cdef list sources           # keeps zero-copy sources (and their buffer exports) alive
+    # fields and C methods: declared in _buffer.pxd (the keyed-state kernel cimports this class)
 
     def __cinit__(self):
         self.arena = NULL
@@ -296,45 +303,27 @@ cdef class ChangeBuffer:
 
     cdef int _add(self, int32_t kg, object data) except -1:
         """Copy one change (key group already checked) into the arena."""
-        cdef const unsigned char* src
-        cdef Py_ssize_t length
         cdef Py_buffer view
-        cdef bint have_view = False
         if self.busy:
             self._check_idle()
         if PyBytes_CheckExact(data):
-            src = <const unsigned char*>PyBytes_AS_STRING(data)
-            length = PyBytes_GET_SIZE(data)
-        else:
-            if isinstance(data, str):
-                byte_view(data)  # raises the twin's TypeError
-            try:
-                PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-            except (TypeError, BufferError, ValueError):
-                byte_view(data)  # raises the twin's TypeError
-                raise TypeError(f"change data must be a contiguous bytes-like object, got {type(data).__name__}")
-            have_view = True
-            src = <const unsigned char*>view.buf
-            length = view.len
+            return add_raw(self, kg, <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+        if isinstance(data, str):
+            byte_view(data)  # raises the twin's TypeError
         try:
-            if length > INT32_MAX:
-                raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
-            if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
-                self._reserve(1, length)
-            if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
-                self._new_run(NULL)
-            memcpy(self.arena + self.arena_len, src, length)
-            self.kgs[self.n] = kg
-            self.offs[self.n] = self.arena_len
-            self.lens[self.n] = <int32_t>length
-            self.n += 1
-            self.arena_len += length
-            self.payload += length
-            self._count(kg + 1, 1)
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        except (TypeError, BufferError, ValueError):
+            byte_view(data)  # raises the twin's TypeError
+            raise TypeError(f"change data must be a contiguous bytes-like object, got {type(data).__name__}")
+        try:
+            add_raw(self, kg, <const unsigned char*>view.buf, view.len)
         finally:
-            if have_view:
-                PyBuffer_Release(&view)
+            PyBuffer_Release(&view)
         return 0
+
+    cdef int _add_raw(self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1:
+        """Copy `length` bytes at `src` as one change (key group already checked) into the arena."""
+        return add_raw(self, kg, src, length)
 
     def append_many(self, key_groups, data, offsets):
         """Add n changes given in Arrow's binary layout (key groups, one data buffer, n+1 offsets); all-or-nothing."""
@@ -1172,6 +1161,24 @@ from dstl._fast._buffer_py import concurrent_append_error, writer_key_group
 from dstl.errors import WriterClosedError
 
 
+cdef inline bint _append_fast(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
+    """The common case of a writer's append, inline (room in the arrays and the arena, the arena run
+    going on, the buffer not busy): the stores of ChangeBuffer._add_raw without its call and checks.
+    False, with nothing done, otherwise."""
+    if buf.busy or buf.n >= buf.cap or buf.arena_len + length > buf.arena_cap or length > INT32_MAX \
+            or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL:
+        return False
+    memcpy(buf.arena + buf.arena_len, src, length)
+    buf.kgs[buf.n] = kg
+    buf.offs[buf.n] = buf.arena_len
+    buf.lens[buf.n] = <int32_t>length
+    buf.n += 1
+    buf.arena_len += length
+    buf.payload += length
+    buf._count(kg + 1, 1)
+    return True
+
+
 cdef class WriterCore:
     """The append path of `FsStateChangelogWriter` (its base class): `append` and `append_meta` check
     the writer's state and key-group range and copy the change into the active buffer, all in C.
@@ -1182,11 +1189,7 @@ cdef class WriterCore:
     the writer), records its thread; an append from another thread meanwhile raises RuntimeError.
     Twin: `WriterCore` in dstl/_buffer_py.py (same checks, same errors, byte-identical buffer).
     """
-    cdef readonly ChangeBuffer _buffer
-    cdef public bint _closed
-    cdef public long _kg_start, _kg_end
-    cdef public int64_t _threshold
-    cdef unsigned long _flusher   # the thread inside a pre-emptive persist of an append; 0 = none
+    # fields and C methods: declared in _buffer.pxd (`_append_raw` is the keyed-state kernel's entry)
 
     def __cinit__(self, *args, **kwargs):
         self._buffer = ChangeBuffer()
@@ -1218,7 +1221,6 @@ cdef class WriterCore:
         cdef long kg
         cdef int overflow = 0
         cdef ChangeBuffer buf = self._buffer
-        cdef Py_ssize_t length
         if self._flusher != 0 or self._closed:
             self._enter()  # raises, unless this thread is the one inside the pre-emptive persist
         if not PyLong_CheckExact(key_group):
@@ -1226,25 +1228,29 @@ cdef class WriterCore:
         kg = PyLong_AsLongAndOverflow(key_group, &overflow)
         if overflow or kg < self._kg_start or kg > self._kg_end:
             raise ValueError(f"key group {key_group!r} is outside the writer's range {self.key_group_range}")
-        # The common case inline (bytes, room in the arrays and the arena, the arena run going on): the
-        # same stores as ChangeBuffer._add without its call, buffer export and checks; else _add.
-        if PyBytes_CheckExact(data) and not buf.busy:
-            length = PyBytes_GET_SIZE(data)
-            if buf.n < buf.cap and buf.arena_len + length <= buf.arena_cap and length <= INT32_MAX \
-                    and buf.nruns and buf.run_ptr[buf.nruns - 1] == NULL:
-                memcpy(buf.arena + buf.arena_len, PyBytes_AS_STRING(data), length)
-                buf.kgs[buf.n] = <int32_t>kg
-                buf.offs[buf.n] = buf.arena_len
-                buf.lens[buf.n] = <int32_t>length
-                buf.n += 1
-                buf.arena_len += length
-                buf.payload += length
-                buf._count(kg + 1, 1)
-                if buf.payload >= self._threshold:
-                    self._after()
-                return
+        if PyBytes_CheckExact(data) and _append_fast(buf, <int32_t>kg, <const unsigned char*>PyBytes_AS_STRING(data),
+                                                     PyBytes_GET_SIZE(data)):
+            if buf.payload >= self._threshold:
+                self._after()
+            return
         buf._add(<int32_t>kg, data)
         self._after()
+
+    cdef int _append_raw(self, long kg, const unsigned char* src, Py_ssize_t length) except -1:
+        """`append(kg, src[:length])` for C callers (the keyed-state kernel): the same checks, errors and
+        buffer contents, without a bytes object or a Python call."""
+        cdef ChangeBuffer buf = self._buffer
+        if self._flusher != 0 or self._closed:
+            self._enter()
+        if kg < self._kg_start or kg > self._kg_end:
+            raise ValueError(f"key group {kg!r} is outside the writer's range {self.key_group_range}")
+        if _append_fast(buf, <int32_t>kg, src, length):
+            if buf.payload >= self._threshold:
+                self._after()
+            return 0
+        buf._add_raw(<int32_t>kg, src, length)
+        self._after()
+        return 0
 
     @cython.binding(False)
     def append_meta(self, data):

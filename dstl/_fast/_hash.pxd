@@ -1,7 +1,15 @@
-from libc.stdint cimport int32_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 # Java's hashCode of an int/str/bytes key (the other modules' single-key paths use it directly)
 cdef uint32_t _java_hash(object key) except? 0xFFFFFFFF
+
+
+cdef inline uint32_t _long_hash(int64_t v) noexcept nogil:
+    cdef uint64_t u = <uint64_t>v
+    cdef uint32_t lo = <uint32_t>u
+    # Integer.hashCode inside int32, else Long.hashCode (lo ^ hi)
+    cdef uint32_t hi = <uint32_t>(u >> 32) if (v < -2147483648 or v > 2147483647) else 0u
+    return lo ^ hi
 
 
 cdef inline int32_t _murmur(uint32_t c) noexcept nogil:

@@ -47,12 +47,7 @@ cdef inline int32_t _kg(uint32_t code, int32_t max_parallelism, bint pow2) noexc
     return (m & (max_parallelism - 1)) if pow2 else (m % max_parallelism)
 
 
-cdef inline uint32_t _long_hash(int64_t v) noexcept nogil:
-    cdef uint64_t u = <uint64_t>v
-    cdef uint32_t lo = <uint32_t>u
-    # Integer.hashCode inside int32, else Long.hashCode (lo ^ hi)
-    cdef uint32_t hi = <uint32_t>(u >> 32) if (v < -2147483648 or v > 2147483647) else 0u
-    return lo ^ hi
+# _long_hash (an int64 key's hashCode): in _hash.pxd, inline for the keyed-state kernel too
 
 
 cdef inline uint32_t _str_hash(str s):

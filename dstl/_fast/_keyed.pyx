@@ -6,6 +6,11 @@
 str, bytes, floats, bools, None and lists, tuples and dicts of them by hand, anything else through
 msgpack) and appends it. Twin: dstl/_fast/_keyed_py.py (byte-identical payloads, same errors).
 
+When the writer is a `WriterCore` (the changelog writer), the append is its C entry `_append_raw`:
+the encoded change goes from this kernel's buffer straight into the writer's arena, with no bytes
+object and no Python call. Any other `writer_append` (a wrapper, a test's function) is called with
+the payload as bytes.
+
 `binding=False`: the methods are plain C methods, so a bound `value_get`/`value_update` is a
 builtin method that CPython calls straight through its vectorcall slot (no Python method object).
 """
@@ -23,7 +28,8 @@ from libc.string cimport memcpy
 
 import msgpack
 
-from dstl._fast._hash cimport _java_hash, _murmur
+from dstl._fast._buffer cimport WriterCore
+from dstl._fast._hash cimport _java_hash, _long_hash, _murmur
 from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 
 cdef extern from "Python.h":
@@ -44,7 +50,8 @@ cdef class KeyedAppender:
     """The appends of one keyed state backend: key -> key group, writer append, change counters,
     the deferred append error and the materialization interval (see the twin for the contract)."""
     cdef readonly object backend
-    cdef public object writer_append
+    cdef object _writer_append
+    cdef WriterCore core  # the writer when `writer_append` is a WriterCore's own append, else None
     cdef readonly object key_group_range
     cdef object maxp_obj
     cdef int32_t maxp, mask
@@ -59,7 +66,7 @@ cdef class KeyedAppender:
 
     def __cinit__(self, backend, writer_append, max_parallelism, key_group_range):
         self.backend = backend
-        self.writer_append = writer_append
+        self._set_writer(writer_append)
         self.maxp_obj = max_parallelism
         self.maxp = max_parallelism
         self.mask = self.maxp - 1 if self.maxp & (self.maxp - 1) == 0 else -1
@@ -72,6 +79,26 @@ cdef class KeyedAppender:
 
     def __dealloc__(self):
         free(self.buf)
+
+    cdef int _set_writer(self, writer_append) except -1:
+        w = getattr(writer_append, "__self__", None)
+        self._writer_append = writer_append
+        # the C entry only for WriterCore's own append bound to `w` (a subclass's override, another
+        # method or a wrapper is called as given)
+        if isinstance(w, WriterCore) and writer_append == WriterCore.append.__get__(w, type(w)):
+            self.core = <WriterCore>w
+        else:
+            self.core = None
+        return 0
+
+    @property
+    def writer_append(self):
+        """The writer's `append(key_group, payload)` the changes go to."""
+        return self._writer_append
+
+    @writer_append.setter
+    def writer_append(self, value):
+        self._set_writer(value)
 
     @property
     def closed(self):
@@ -87,12 +114,14 @@ cdef class KeyedAppender:
                 (<StateAppender>s).slots = None
 
     cdef inline long _kg(self, key) except -1:
-        cdef long g
-        cdef int32_t m
         if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
             return key_group_of(key, self.maxp_obj, self.kg_start, self.kg_end, self.key_group_range)
-        m = _murmur(_java_hash(key))
-        g = (m & self.mask) if self.mask >= 0 else (m % self.maxp)  # murmur is never negative
+        return self._group(_java_hash(key), key)
+
+    cdef inline long _group(self, uint32_t code, key) except -1:
+        """The key group of `key`, whose Java hashCode is `code`, checked against the range."""
+        cdef int32_t m = _murmur(code)
+        cdef long g = (m & self.mask) if self.mask >= 0 else (m % self.maxp)  # murmur is never negative
         if g < self.kg_start or g > self.kg_end:
             raise ValueError(f"key {key!r} belongs to key group {g}, outside this backend's range "
                              f"{self.key_group_range}")
@@ -102,20 +131,27 @@ cdef class KeyedAppender:
         """The key group of a state key (TypeError/ValueError as `key_group_of`)."""
         return self._kg(key)
 
-    cdef int _append(self, long kg, bytes payload) except -1:
+    cdef int _append(self, long kg, const unsigned char* data, Py_ssize_t n, object payload) except -1:
+        """Log one encoded change of key group `kg`: the `n` bytes at `data` (`payload`: them as a bytes
+        object, or None when there is none yet)."""
         if self._closed:
             raise closed_error(self.backend)
         try:
-            self.writer_append(kg, payload)
+            if self.core is not None:
+                self.core._append_raw(kg, data, n)
+            else:
+                if payload is None:
+                    payload = PyBytes_FromStringAndSize(<const char*>data, n)
+                self._writer_append(kg, payload)
         except OSError as exc:
             self.deferred_error = exc
         self.changes += 1
-        self.nbytes += PyBytes_GET_SIZE(payload)
+        self.nbytes += n
         return 0
 
-    def append(self, long kg, bytes payload):
+    def append(self, long kg, bytes payload not None):
         """Log one encoded change of key group `kg`."""
-        self._append(kg, payload)
+        self._append(kg, <const unsigned char*>PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload), payload)
 
     cdef inline bint _due(self) noexcept:
         """What the backend's `_mutated` would act on: a deferred append error, a reached interval."""
@@ -132,6 +168,9 @@ cdef class KeyedAppender:
         s.k = self
         s.state_id = state_id
         s.sid = state_id
+        s.sid_len = -1
+        if PyLong_CheckExact(state_id) and -2**63 <= state_id < 2**63:
+            s.sid_len = <int>pack_int(s.sid_packed, state_id)
         s.name = name
         s.tables = self.backend._table
         if not self._closed:
@@ -322,6 +361,8 @@ cdef class StateAppender:
     cdef readonly object state_id
     cdef readonly object name
     cdef object sid
+    cdef unsigned char sid_packed[9]  # the state id's msgpack int, encoded once (sid_len -1: packed per change)
+    cdef int sid_len
     cdef dict tables
     # per key group of the backend's range, this state's {key: value} of that group once it exists:
     # a list index instead of two dict lookups. The table never replaces or drops such a dict while the
@@ -387,9 +428,17 @@ cdef class StateAppender:
 
     def value_get(self, key, default=None):
         """ValueState.get (see bind_value)."""
-        if not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+        cdef long long v
+        cdef int overflow = 0
+        cdef long g
+        if PyLong_CheckExact(key):  # the common key: its value read once, hashed inline
+            v = PyLong_AsLongLongAndOverflow(key, &overflow)
+            g = self.k._kg(key) if overflow else self.k._group(_long_hash(v), key)
+        elif PyUnicode_CheckExact(key) or PyBytes_CheckExact(key):
+            g = self.k._kg(key)
+        else:
             return self.slow_get(key, default)
-        d = self._entries(self.k._kg(key), False)
+        d = self._entries(g, False)
         if d is None:
             return default
         return (<dict>d).get(key, default)
@@ -398,28 +447,52 @@ cdef class StateAppender:
         """ValueState.update (see bind_value): logs SET, sets the entry, then the backend's `_mutated`
         when it has something to do (a deferred append error, a reached materialization interval)."""
         cdef long g
-        cdef KeyedAppender k
-        if value is None or not (PyLong_CheckExact(key) or PyUnicode_CheckExact(key) or PyBytes_CheckExact(key)):
+        cdef long long v
+        cdef int overflow = 0
+        cdef KeyedAppender k = self.k
+        if value is None:
             return self.slow_update(key, value)
-        g = self._change(self.set_op, key, None, value)
+        if PyLong_CheckExact(key):  # the common key: its value read once, for the hash and the payload
+            v = PyLong_AsLongLongAndOverflow(key, &overflow)
+            if overflow:
+                g = self._change(self.set_op, key, None, value)  # raises the int64 range error
+            else:
+                g = self._log(k._group(_long_hash(v), key), self.set_op, key, None, value, True, v)
+        elif PyUnicode_CheckExact(key) or PyBytes_CheckExact(key):
+            g = self._change(self.set_op, key, None, value)
+        else:
+            return self.slow_update(key, value)
         self._put(g, key, value)
-        k = self.k
         if k._due():
             k.backend._mutated()
 
     cdef long _change(self, int op, key, tuple fields, object one) except -1:
         """Log `[state_id, key, *fields]` (fields None: the one field `one`) under `op`."""
+        return self._log(self.k._kg(key), op, key, fields, one, False, 0)
+
+    cdef long _log(self, long g, int op, key, tuple fields, object one, bint int_key, int64_t kv) except -1:
+        """`_change` of a key whose key group `g` is known (`int_key`: an int key whose value is `kv`)."""
         cdef KeyedAppender k = self.k
-        cdef long g = k._kg(key)
         cdef Py_ssize_t pos = WHOLE, i, nf = 1 if fields is None else len(fields)
         try:
             if nf <= 13 and 0 <= op <= 255:  # a fixarray and an op byte, else as the twin does it
-                k._reserve(2)
+                k._reserve(2 + 9 + 9)
                 k.buf[0] = <unsigned char>op
                 k.buf[1] = <unsigned char>(0x90 | (nf + 2))
-                pos = pack_obj(k, 2, self.sid, 0)
+                if self.sid_len == 1:  # a positive fixint (a state id below 128): no memcpy call
+                    k.buf[2] = self.sid_packed[0]
+                    pos = 3
+                elif self.sid_len > 0:
+                    memcpy(k.buf + 2, self.sid_packed, self.sid_len)
+                    pos = 2 + self.sid_len
+                else:
+                    pos = pack_obj(k, 2, self.sid, 0)
                 if pos != WHOLE:
-                    pos = pack_obj(k, pos, key, 0)
+                    if int_key:
+                        k._reserve(pos + 9)
+                        pos += pack_int(k.buf + pos, kv)
+                    else:
+                        pos = pack_obj(k, pos, key, 0)
                 if fields is None:
                     if pos != WHOLE:
                         pos = pack_obj(k, pos, one, 0)
@@ -434,9 +507,9 @@ cdef class StateAppender:
         except (TypeError, ValueError, OverflowError) as exc:
             raise serialize_error(exc, self.name, key) from exc
         if pos == WHOLE:
-            k._append(g, payload)
+            k._append(g, <const unsigned char*>PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload), payload)
         else:
-            k._append(g, PyBytes_FromStringAndSize(<const char*>k.buf, pos))
+            k._append(g, k.buf, pos, None)
         return g
 
 

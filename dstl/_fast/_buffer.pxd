@@ -1,0 +1,42 @@
+# The change buffer and the writer's append core, declared for the other modules' C-level appends: the
+# keyed-state kernel (dstl/_fast/_keyed.pyx) copies an encoded change from its own buffer straight into
+# the writer's arena (`WriterCore._append_raw`), with no bytes object and no Python call.
+from libc.stdint cimport int32_t, int64_t
+
+
+cdef class ChangeBuffer:
+    cdef unsigned char* arena
+    cdef int64_t arena_len, arena_cap
+    cdef int32_t* kgs
+    cdef int64_t* offs
+    cdef int32_t* lens
+    cdef int64_t n, cap
+    cdef int64_t* counts        # per slot, allocated with the first change
+    cdef int64_t num_groups
+    cdef int min_slot, max_slot
+    cdef int64_t payload
+    cdef bint busy
+    cdef int64_t* run_first     # first record index of each run
+    cdef const unsigned char** run_ptr   # payload base of each run; NULL = the arena
+    cdef int64_t nruns, runs_cap
+    cdef list sources           # keeps zero-copy sources (and their buffer exports) alive
+
+    cdef int _reserve(self, int64_t records, int64_t nbytes) except -1
+    cdef int _new_run(self, const unsigned char* base) except -1
+    cdef void _count(self, int slot, int64_t k) noexcept nogil
+    cdef int _check_idle(self) except -1
+    cdef int _add(self, int32_t kg, object data) except -1
+    cdef int _add_raw(self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1
+    cdef int _write(self, unsigned char* dst) except -1
+
+
+cdef class WriterCore:
+    cdef readonly ChangeBuffer _buffer
+    cdef public bint _closed
+    cdef public long _kg_start, _kg_end
+    cdef public int64_t _threshold
+    cdef unsigned long _flusher   # the thread inside a pre-emptive persist of an append; 0 = none
+
+    cdef int _enter(self) except -1
+    cdef int _after(self) except -1
+    cdef int _append_raw(self, long kg, const unsigned char* src, Py_ssize_t length) except -1
