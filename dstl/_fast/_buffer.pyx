@@ -161,15 +161,20 @@ cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src,
         self._reserve(1, length)
     if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
         self._new_run(NULL)
-    memcpy(self.arena + self.arena_len, src, length)
-    self.kgs[self.n] = kg
-    self.offs[self.n] = self.arena_len
-    self.lens[self.n] = <int32_t>length
-    self.n += 1
-    self.arena_len += length
-    self.payload += length
-    self._count(kg + 1, 1)
+    store_change(self, kg, src, length)
     return 0
+
+
+cdef inline void store_change(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
+    """The stores of one change whose room is made: payload into the arena, its record, its count."""
+    memcpy(buf.arena + buf.arena_len, src, length)
+    buf.kgs[buf.n] = kg
+    buf.offs[buf.n] = buf.arena_len
+    buf.lens[buf.n] = <int32_t>length
+    buf.n += 1
+    buf.arena_len += length
+    buf.payload += length
+    buf._count(kg + 1, 1)
 
 
 cdef class ChangeBuffer:
@@ -1168,14 +1173,7 @@ cdef inline bint _append_fast(ChangeBuffer buf, int32_t kg, const unsigned char*
     if buf.busy or buf.n >= buf.cap or buf.arena_len + length > buf.arena_cap or length > INT32_MAX \
             or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL:
         return False
-    memcpy(buf.arena + buf.arena_len, src, length)
-    buf.kgs[buf.n] = kg
-    buf.offs[buf.n] = buf.arena_len
-    buf.lens[buf.n] = <int32_t>length
-    buf.n += 1
-    buf.arena_len += length
-    buf.payload += length
-    buf._count(kg + 1, 1)
+    store_change(buf, kg, src, length)
     return True
 
 
