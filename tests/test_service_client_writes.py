@@ -125,9 +125,10 @@ def _finish(proc):
 
 
 @pytest.mark.parametrize("child_writes", ["1", "0"])
-def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path, child_writes):
+def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path, child_writes, monkeypatch):
     """Both clients' tasks go into one file; with DSTL_CLIENT_WRITES=0 in the other client, its part
     comes from shared memory (the service's attempt copies it) and this one's from this client."""
+    monkeypatch.setenv(CLIENT_WRITES_ENV, "1")
     base = tmp_path / "base"
     job = uuid.uuid4().hex
     proc, service = _child(base, job, "1500 ms", child_writes)  # its task waits for company
@@ -150,7 +151,9 @@ def test_two_clients_write_their_own_regions_of_one_file(runtime, tmp_path, chil
 
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
-def test_a_stalled_or_dead_client_is_left_out_and_the_others_changes_are_written(runtime, tmp_path, fault):
+def test_a_stalled_or_dead_client_is_left_out_and_the_others_changes_are_written(runtime, tmp_path, fault,
+                                                                                  monkeypatch):
+    monkeypatch.setenv(CLIENT_WRITES_ENV, "1")
     base = tmp_path / "base"
     job = uuid.uuid4().hex
     proc, service = _child(base, job, "1000 ms")
@@ -175,6 +178,16 @@ def test_a_stalled_or_dead_client_is_left_out_and_the_others_changes_are_written
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         _finish(proc)
+
+
+def test_client_writes_are_off_unless_asked_for(runtime, tmp_path, monkeypatch):
+    monkeypatch.delenv(CLIENT_WRITES_ENV, raising=False)
+    s = _storage(tmp_path / "base")
+    runtime.remember(s.scheduler.service_pid)
+    try:
+        assert s.scheduler.connection.holds is False
+    finally:
+        s.close()
 
 
 def test_held_bodies_need_a_delegate_and_a_raw_local_file(tmp_path):

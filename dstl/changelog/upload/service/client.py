@@ -54,15 +54,17 @@ SENDERS = 2  # sender threads: two sealed bodies are built into shared memory at
 FREE_SEGMENTS = 64  # finished tasks' segments kept (mapped) for reuse: their pages are allocated and mapped
 # already, so building a body into one is a plain memcpy (a fresh one costs page allocation and zeroing)
 FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
-CLIENT_WRITES_ENV = "DSTL_CLIENT_WRITES"  # "0": raw local files too go through shared memory
+CLIENT_WRITES_ENV = "DSTL_CLIENT_WRITES"  # "1": clients write raw local files themselves
 
 
 def holds_bodies(config) -> bool:
     """Whether this client keeps its bodies and writes them into the service's files itself: raw
-    (uncompressed) files on the local disk, unless DSTL_CLIENT_WRITES=0."""
+    (uncompressed) files on the local disk, with DSTL_CLIENT_WRITES=1. Off by default: the chaos
+    test (random SIGKILLs of service, registry, uploaders) leaked one file in about 1 run of 15 with
+    it on, and the cause is not found yet (docs/service.md)."""
     from dstl.changelog import fs as dfs
 
-    if os.environ.get(CLIENT_WRITES_ENV, "1") == "0" or config.compression is not None:
+    if os.environ.get(CLIENT_WRITES_ENV, "0") != "1" or config.compression is not None:
         return False
     try:
         return dfs.is_local(dfs.changelog_dir(config.base_path, "x")[0])
