@@ -149,6 +149,15 @@ class HeldSpan:
         return self.length
 
 
+def _offsets(bodies) -> tuple:
+    """(logical offset of each body, logical size) of raw bodies back to back."""
+    offsets, pos = [], 0
+    for body in bodies:
+        offsets.append(pos)
+        pos += len(body)
+    return offsets, pos
+
+
 def _write_raw(files, bodies, paths=(), delegate=None) -> tuple:
     """The file bytes of uncompressed `bodies` (flag byte, bodies back to back) into each of the
     local `files`, written to their descriptors: the service's segments (`FileSpan`) by the kernel's
@@ -156,10 +165,7 @@ def _write_raw(files, bodies, paths=(), delegate=None) -> tuple:
     GIL only around it. The regions of `HeldSpan`s are skipped, then `delegate(paths, [(file offset,
     span)])` has their holders fill them and returns once they did (it raises if one did not).
     Returns (logical offset of each body, logical size) as `write_file` does."""
-    offsets, pos = [], 0
-    for body in bodies:
-        offsets.append(pos)
-        pos += len(body)
+    offsets, pos = _offsets(bodies)
     fds = []
     for f in files:
         f.write(bytes([FLAG_RAW]))
@@ -390,10 +396,7 @@ class StateChangeFsUploader(StateChangeUploader):
         thread beside a busy appending thread waits up to the switch interval (5 ms) for the GIL after
         every system call it makes without it, and making, reserving, writing and closing a file took
         six. A job directory deleted meanwhile is made again."""
-        offsets, pos = [], 0
-        for body in bodies:
-            offsets.append(pos)
-            pos += len(body)
+        offsets, pos = _offsets(bodies)
         self._ensure_dirs()
         try:
             n = write_bodies_at(paths, 0, [_FLAG_RAW] + list(bodies), create=True, size=size)
