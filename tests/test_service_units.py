@@ -220,6 +220,61 @@ def test_file_lock_excludes_and_times_out(tmp_path):
         pass
 
 
+def test_a_lock_whose_directory_was_removed_meanwhile_is_not_held(tmp_path):
+    """A client waits for the lock of a service directory that the exiting service removes (renamed
+    aside, then deleted) while it waits, and another client makes the directory anew and locks the
+    new lock file. The waiter must lock that new file, not the removed one: holding the old one, it
+    once wrote its service's config.json into the directory the other was still deleting (the chaos
+    test's "config.json: No such file" at start-up)."""
+    import fcntl
+
+    from dstl.changelog.upload.service import runtime
+
+    d = tmp_path / "svc"
+    d.mkdir()
+    path = str(d / "lock")
+    acquired = threading.Event()
+    seen = {}
+
+    def waiter():
+        with file_lock(path, timeout_s=10):
+            seen["ino"] = os.stat(path).st_ino
+            acquired.set()
+
+    other = None
+    with file_lock(path):
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)  # the waiter has opened the old lock file and waits for it
+        runtime._remove_dir(str(d))
+        assert not d.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(runtime.TRASH_PREFIX)]
+        d.mkdir()
+        other = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(other, fcntl.LOCK_EX)  # the other client holds the new lock file
+    try:
+        assert not acquired.wait(0.5), "the waiter took the removed lock file as the lock"
+    finally:
+        new_ino = os.fstat(other).st_ino
+        os.close(other)
+    assert acquired.wait(10)
+    t.join(10)
+    assert seen["ino"] == new_ino
+
+
+def test_sweep_removes_a_removed_directory_whose_remover_died(tmp_path):
+    from dstl.changelog.upload.service import runtime
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    mine = tmp_path / f"{runtime.TRASH_PREFIX}abc.{os.getpid()}.00aa11"
+    orphan = tmp_path / f"{runtime.TRASH_PREFIX}abc.{dead.stdout.strip()}.00aa12"
+    for d in (mine, orphan):
+        (d / "journal").mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    runtime.sweep_runtime_dirs(str(tmp_path), grace_s=0)
+    assert mine.exists() and not orphan.exists()  # a live remover finishes its own
+
+
 def test_uploader_takes_the_file_name_the_service_announced(tmp_path):
     import uuid as _uuid
 
@@ -390,3 +445,35 @@ def test_sealed_bodies_are_built_into_the_segment_between_plain_buffers():
             seg.write([Liar()])
     finally:
         assert seg.unlink()
+
+
+def test_an_operation_journaled_by_a_registry_that_died_before_acknowledging_it_completes(tmp_path, monkeypatch):
+    """The registry journals a `start`, then dies before its Ack. The restarted registry says it
+    applied it (its last id), so the waiting `apply` returns at once; it used to wait out its timeout
+    (60 s in the service: the chaos test's slow runs, with the file tracked meanwhile)."""
+    import multiprocessing
+
+    from dstl.changelog.upload.service import journal
+    from dstl.changelog.upload.service.forwarder import RegistryForwarder
+
+    marker = tmp_path / "died"
+    real_fsync = journal.fsync
+
+    def fsync_then_die_once(fd):  # runs in the forked registry: a `start` is fsynced, then no Ack
+        real_fsync(fd)
+        if not marker.exists():
+            marker.touch()
+            os._exit(9)
+
+    monkeypatch.setattr(journal, "fsync", fsync_then_die_once)
+    fwd = RegistryForwarder(multiprocessing.get_context("fork"), str(tmp_path / "j"), 1)
+    fwd.start()
+    first = fwd.pid
+    try:
+        fwd.apply("start", "f", 2, {"a": 2}, timeout=10)  # raised UploadServiceError after 10 s
+        assert marker.exists() and fwd.restarts == 1 and fwd.pid != first
+        assert fwd.query("count", "f") == 2  # applied once, not twice
+        assert fwd.pending() == 0
+    finally:
+        fwd.stop(10)
+    assert Journal(str(tmp_path / "j")).load().ref_count("f") == 2

@@ -75,8 +75,12 @@ class RegistryForwarder:
         last_id = hello.last_id
         with self._lock:
             self._conn, self._proc = parent, proc
+            # journaled and applied by the registry that died before acknowledging them: done.
+            # (An operation the journal refused was acknowledged before anything later was applied.)
+            applied = []
             for op_id in [i for i in self._unacked if i <= last_id]:
                 del self._unacked[op_id]
+                applied.append(self._acks.pop(op_id, None))
             try:
                 for op in self._unacked.values():
                     parent.send(Operation(op))
@@ -84,6 +88,9 @@ class RegistryForwarder:
                     parent.send(q)
             except OSError:
                 pass  # died again: the read loop notices
+        for fut in applied:
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     def submit(self, kind: str, *args) -> Future:
         """Queue an operation; the future completes once the registry journaled and applied it, or

@@ -156,26 +156,57 @@ class ServicePaths:
 
 @contextlib.contextmanager
 def file_lock(path: str, timeout_s: Optional[float] = None) -> Iterator[None]:
-    """An exclusive flock on `path` (released on exit, and by the kernel if the holder dies)."""
+    """An exclusive flock on `path` (released on exit, and by the kernel if the holder dies).
+
+    Held only once `path` still names the locked file: a lock file whose directory was removed
+    while this waited for it excludes nobody (the next opener makes a new one), so it is dropped
+    and `path` opened again (FileNotFoundError if its directory is gone)."""
     import time
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if timeout_s is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
             while True:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"could not lock {path} within {timeout_s} s") from None
                     time.sleep(0.01)
+            if _names(path, fd):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
         yield
     finally:
         os.close(fd)  # closing the descriptor drops the lock
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` is the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _remove_dir(directory: str) -> None:
+    """Rename `directory` aside (atomically), then delete it: a client that makes it anew meanwhile
+    gets an empty one of its own, never one whose files are still being deleted."""
+    parent, name = os.path.split(directory)
+    trash = os.path.join(parent, f"{TRASH_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(3)}")
+    try:
+        os.rename(directory, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:
@@ -192,6 +223,8 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
 
+
+TRASH_PREFIX = ".removed-"  # a service directory being deleted (see _remove_dir)
 
 # a directory younger than this is never swept: a client may have just made it for a service it starts
 SWEEP_GRACE_S = 30.0
@@ -219,8 +252,6 @@ def journal_has_work(journal_dir: str) -> bool:
 def remove_if_idle(paths: "ServicePaths", own_pid: Optional[int] = None, lock_timeout_s: float = 5.0) -> bool:
     """Remove a service directory if no service runs in it (or only `own_pid`, exiting) and its
     journal holds no work. Under the directory's lock, so no client is starting a service meanwhile."""
-    import shutil
-
     try:
         with file_lock(paths.lock, timeout_s=lock_timeout_s):
             pid = paths.read_pid()
@@ -228,7 +259,7 @@ def remove_if_idle(paths: "ServicePaths", own_pid: Optional[int] = None, lock_ti
                 return False
             if journal_has_work(paths.journal_dir):
                 return False
-            shutil.rmtree(paths.directory, ignore_errors=True)
+            _remove_dir(paths.directory)
             return True
     except (TimeoutError, FileNotFoundError):
         return False
@@ -238,7 +269,6 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
     """Remove the directories of services that died (no live pid) with an empty journal; in those
     kept for their journal, remove the dead service's socket, pid file and temporary files.
     Returns how many directories were removed."""
-    import shutil
     import time
 
     root = root or runtime_root()
@@ -252,6 +282,11 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
             if not os.path.isdir(d) or now - os.stat(d).st_mtime < grace_s:
                 continue
         except FileNotFoundError:
+            continue
+        if name.startswith(TRASH_PREFIX):  # its remover died mid-way
+            pid = name.rsplit(".", 2)[-2]
+            if not pid.isdigit() or not pid_alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
             continue
         paths = ServicePaths(d)
         pid = paths.read_pid()
