@@ -14,6 +14,8 @@ import signal
 import time
 import uuid
 
+import pytest
+
 from service_util import children_of, python_child, service_pids, wait_dead
 from service_util import runtime  # noqa: F401  (fixture)
 
@@ -103,11 +105,14 @@ def _role(pid: int, service: int) -> str:
     return "child"
 
 
-def test_chaos_every_confirmed_handle_reads_back_and_nothing_leaks(runtime, tmp_path, monkeypatch):
+@pytest.mark.parametrize("client_writes", ["1", "0"], ids=["clients-write", "through-shared-memory"])
+def test_chaos_every_confirmed_handle_reads_back_and_nothing_leaks(runtime, tmp_path, monkeypatch, client_writes):
     from dstl.changelog.handles import ChangelogStateHandleStreamImpl
     from dstl.changelog.storage import open_storage
+    from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV
 
     monkeypatch.setenv("DSTL_ORPHAN_GRACE_MS", str(GRACE_MS))
+    monkeypatch.setenv(CLIENT_WRITES_ENV, client_writes)  # raw local files: the clients write them, or uploaders
     base = tmp_path / "base"
     base.mkdir()
     job = uuid.uuid4().hex

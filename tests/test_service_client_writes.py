@@ -180,12 +180,22 @@ def test_a_stalled_or_dead_client_is_left_out_and_the_others_changes_are_written
         _finish(proc)
 
 
-def test_client_writes_are_off_unless_asked_for(runtime, tmp_path, monkeypatch):
+def test_client_writes_are_on_by_default_off_with_0_and_a_bad_value_is_refused(runtime, tmp_path, monkeypatch):
     monkeypatch.delenv(CLIENT_WRITES_ENV, raising=False)
     s = _storage(tmp_path / "base")
     runtime.remember(s.scheduler.service_pid)
     try:
-        assert s.scheduler.connection.holds is False
+        assert s.scheduler.connection.holds is True
+        monkeypatch.setenv(CLIENT_WRITES_ENV, "0")
+        s2 = _storage(tmp_path / "base")  # the same service; this client sends its bodies through memory
+        try:
+            assert s2.scheduler.connection.holds is False
+            assert s2.scheduler.service_pid == s.scheduler.service_pid
+        finally:
+            s2.close()
+        monkeypatch.setenv(CLIENT_WRITES_ENV, "yes")
+        with pytest.raises(ValueError, match="DSTL_CLIENT_WRITES='yes'"):
+            _storage(tmp_path / "base")
     finally:
         s.close()
 

@@ -54,17 +54,19 @@ SENDERS = 2  # sender threads: two sealed bodies are built into shared memory at
 FREE_SEGMENTS = 64  # finished tasks' segments kept (mapped) for reuse: their pages are allocated and mapped
 # already, so building a body into one is a plain memcpy (a fresh one costs page allocation and zeroing)
 FREE_IDLE_S = 5.0  # a kept segment not reused for this long is unlinked (the memory goes back when idle)
-CLIENT_WRITES_ENV = "DSTL_CLIENT_WRITES"  # "1": clients write raw local files themselves
+CLIENT_WRITES_ENV = "DSTL_CLIENT_WRITES"  # "0": raw local files go through shared memory too
 
 
 def holds_bodies(config) -> bool:
     """Whether this client keeps its bodies and writes them into the service's files itself: raw
-    (uncompressed) files on the local disk, with DSTL_CLIENT_WRITES=1. Off by default: the chaos
-    test (random SIGKILLs of service, registry, uploaders) leaked one file in about 1 run of 15 with
-    it on, and the cause is not found yet (docs/service.md)."""
+    (uncompressed) files on the local disk, unless DSTL_CLIENT_WRITES=0 (docs/service.md)."""
     from dstl.changelog import fs as dfs
 
-    if os.environ.get(CLIENT_WRITES_ENV, "0") != "1" or config.compression is not None:
+    value = os.environ.get(CLIENT_WRITES_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{CLIENT_WRITES_ENV}={value!r}: expected 1 (the default: clients write raw local "
+                         "files) or 0 (through shared memory and the uploader processes)")
+    if value == "0" or config.compression is not None:
         return False
     try:
         return dfs.is_local(dfs.changelog_dir(config.base_path, "x")[0])
@@ -202,6 +204,7 @@ class ServiceConnection:
         self.paths = paths
         self.config = config
         self.metrics = metrics
+        self.holds = holds_bodies(config)  # first: a bad DSTL_CLIENT_WRITES connects to nothing
         self.conn, self.cid, welcome = _connect(paths, config)
         self.instance, self.service_pid = welcome.instance, welcome.pid
         self.max_in_flight, available, in_flight = welcome.max_in_flight, welcome.available, welcome.in_flight
@@ -228,7 +231,6 @@ class ServiceConnection:
         self._free_budget = int(config.max_in_flight)
         self.bytes_shared = 0  # payload bytes copied into shared memory (the one copy)
         self.bytes_written = 0  # payload bytes this client wrote into the service's files itself
-        self.holds = holds_bodies(config)
         self.bytes_sent = 0  # bytes written to the socket (descriptors, registry calls)
         self._outbox: "queue.Queue" = queue.Queue(maxsize=OUTBOX)
         self._unsent = 0  # tasks handed to `submit` whose descriptor is not sent yet
