@@ -477,3 +477,32 @@ def test_an_operation_journaled_by_a_registry_that_died_before_acknowledging_it_
     finally:
         fwd.stop(10)
     assert Journal(str(tmp_path / "j")).load().ref_count("f") == 2
+
+
+def test_a_registry_that_dies_before_its_hello_is_started_again(tmp_path, monkeypatch):
+    """A registry process killed before it said hello (the chaos test kills it as an uploader, since
+    it has no journal open yet): the service's registry used to stay down, and every attempt waited
+    60 s for its intent to be journaled."""
+    import multiprocessing
+
+    from dstl.changelog.upload.service import registry_proc
+    from dstl.changelog.upload.service.forwarder import RegistryForwarder
+
+    marker = tmp_path / "died"
+    real_main = registry_proc.registry_main
+
+    def die_once(*args):  # runs in the forked registry process
+        if not marker.exists():
+            marker.touch()
+            os._exit(9)
+        real_main(*args)
+
+    monkeypatch.setattr(registry_proc, "registry_main", die_once)
+    fwd = RegistryForwarder(multiprocessing.get_context("fork"), str(tmp_path / "j"), 1)
+    fwd.start()  # raised EOFError
+    try:
+        assert marker.exists()
+        fwd.apply("start", "f", 1, {"a": 1}, timeout=10)
+        assert fwd.query("count", "f") == 1
+    finally:
+        fwd.stop(10)

@@ -23,6 +23,8 @@ from dstl.changelog.upload.service.protocol import (Ack, Operation, ProtocolErro
 
 log = logging.getLogger("dstl.changelog.upload.service.forwarder")
 
+START_TRIES = 5  # registry processes that may die before their hello at start-up
+
 
 class RegistryForwarder:
     """Owns the registry process; `submit(kind, *args)` is asynchronous, `query(...)` waits for a reply."""
@@ -52,8 +54,18 @@ class RegistryForwarder:
         return p.pid if p is not None else None
 
     def start(self) -> None:
-        """Start the registry process and the thread that reads its acks and restarts it when it dies."""
-        self._spawn()
+        """Start the registry process and the thread that reads its acks and restarts it when it dies.
+        One that dies before its hello (killed) is started again: without a registry every attempt
+        would wait out its journal timeout."""
+        for n in range(START_TRIES):
+            try:
+                self._spawn()
+                break
+            except (EOFError, ConnectionError) as exc:
+                if n == START_TRIES - 1:
+                    raise UploadServiceError(f"the registry process died {START_TRIES} times while starting") from exc
+                log.warning("the registry process died while starting (%r); starting another", exc)
+                time.sleep(0.1)
         self._thread = threading.Thread(target=self._read_loop, name="dstl-registry-forwarder", daemon=True)
         self._thread.start()
 
@@ -69,7 +81,11 @@ class RegistryForwarder:
         if not parent.poll(90):
             proc.kill()
             raise UploadServiceError("the registry process did not start in time")
-        hello = parent.recv()
+        try:
+            hello = parent.recv()
+        except EOFError:
+            proc.join(5)  # died before its hello
+            raise
         if type(hello) is not RegistryHello:
             raise ProtocolError(f"the registry process said {hello!r:.200} first")
         last_id = hello.last_id
