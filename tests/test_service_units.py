@@ -506,3 +506,30 @@ def test_a_registry_that_dies_before_its_hello_is_started_again(tmp_path, monkey
         assert fwd.query("count", "f") == 1
     finally:
         fwd.stop(10)
+
+
+def test_an_uploader_that_dies_before_it_is_ready_is_started_again(tmp_path, monkeypatch):
+    """The pool's start-up: one uploader process killed before its WorkerReady used to fail the
+    whole start, and the service then failed every later upload."""
+    import multiprocessing
+
+    from dstl.changelog.upload.service import worker
+    from dstl.changelog.upload.service.pool import UploaderPool
+
+    marker = tmp_path / "died"
+    real_main = worker.worker_main
+
+    def die_once(conn):  # runs in the forked uploader process
+        if not marker.exists():
+            marker.touch()
+            os._exit(9)
+        real_main(conn)
+
+    monkeypatch.setattr(worker, "worker_main", die_once)
+    pool = UploaderPool(multiprocessing.get_context("fork"), 2, start_timeout_s=20)
+    try:
+        pool.start()  # raised UploadServiceError("an uploader process died while starting")
+        assert marker.exists() and len(pool.pids()) == 2
+        assert all(pid_alive(p) for p in pool.pids())
+    finally:
+        pool.close()

@@ -66,6 +66,9 @@ def _usable(w: _Worker) -> bool:
         return False
 
 
+START_DELAYS_S = (0.0, 0.2, 0.5, 1.0, 2.0)  # pauses before each try to start an uploader process
+
+
 class UploaderPool:
     """`size` uploader processes; `run(job)` uses an idle one and returns its result dict.
 
@@ -88,7 +91,20 @@ class UploaderPool:
     def start(self) -> None:
         """Start every worker (called on a background thread: the service accepts clients meanwhile)."""
         for _ in range(self.size):
-            self._add_worker()
+            self._add_worker_retrying()
+
+    def _add_worker_retrying(self) -> None:
+        """`_add_worker`, tried again after a pause while the new process dies or hangs before it is
+        ready (someone killed it); raises the last error."""
+        for i, delay in enumerate(START_DELAYS_S):
+            time.sleep(delay)
+            try:
+                self._add_worker()
+                return
+            except Exception:
+                if i == len(START_DELAYS_S) - 1:
+                    raise
+                log.warning("could not start an uploader process; retrying", exc_info=True)
 
     def _add_worker(self) -> None:
         from dstl.changelog.upload.service.worker import worker_main
@@ -219,14 +235,10 @@ class UploaderPool:
             return
 
         def start_one():
-            for delay in (0.0, 0.2, 0.5, 1.0, 2.0):
-                time.sleep(delay)
-                try:
-                    self._add_worker()
-                    return
-                except Exception:
-                    log.warning("could not start a replacement uploader process; retrying", exc_info=True)
-            log.error("gave up starting a replacement uploader process")
+            try:
+                self._add_worker_retrying()
+            except Exception:
+                log.error("gave up starting a replacement uploader process", exc_info=True)
 
         threading.Thread(target=start_one, name="dstl-pool-replace", daemon=True).start()
 
