@@ -4,6 +4,8 @@ with its wall time and its CPU time (every thread, and in process mode the uploa
 processes) beside a plain `write()` of the payload, plus the machine's memory-copy rate.
 
   thread / process        the default options, upload.mode thread / process (the bench-flink paths)
+  process, shared memory  DSTL_CLIENT_WRITES=0: raw bodies through shared memory and the uploader
+                          processes instead of written by the client (the path before it)
   thread, delay 0         batch.persist-delay=0: the last batch does not wait for company
   thread, no file write   the upload's layout and page-cache copy replaced by a no-op (the files are
                           made, empty): what the pipeline costs around the bytes
@@ -29,10 +31,12 @@ import _dstl_side as ds  # noqa: E402  (puts the repository first on sys.path to
 
 from dstl import IMPLEMENTATION, open_storage  # noqa: E402
 from dstl.changelog.upload import uploader as _uploader  # noqa: E402
+from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV  # noqa: E402
 
 VARIANTS = {  # name -> (options, file writes stubbed)
     "thread": ({"upload_mode": "thread"}, False),
     "process": ({}, False),
+    "process, shared memory": ({"_client_writes": "0"}, False),
     "thread, delay 0": ({"upload_mode": "thread", "batch_persist_delay": "0 ms"}, False),
     "thread, no file write": ({"upload_mode": "thread"}, True),
 }
@@ -82,7 +86,18 @@ def main(argv=None) -> int:
     real_write, real_write_at = _uploader.write_bodies, _uploader.write_bodies_at
     try:
         for name, (options, _) in VARIANTS.items():
-            storages[name] = open_storage(os.path.join(root, name.replace(" ", "_").replace(",", "")), **options)
+            options = dict(options)
+            client_writes = options.pop("_client_writes", None)
+            saved = os.environ.get(CLIENT_WRITES_ENV)
+            if client_writes is not None:  # read by the client when it connects
+                os.environ[CLIENT_WRITES_ENV] = client_writes
+            try:
+                storages[name] = open_storage(os.path.join(root, name.replace(" ", "_").replace(",", "")), **options)
+            finally:
+                if saved is None:
+                    os.environ.pop(CLIENT_WRITES_ENV, None)
+                else:
+                    os.environ[CLIENT_WRITES_ENV] = saved
         for rnd in range(args.rounds + 1):
             path = os.path.join(root, "plain")
             c0, t0 = time.process_time(), time.perf_counter()
@@ -112,10 +127,10 @@ def main(argv=None) -> int:
     plain = statistics.median(wall["plain write"])
     print(f"vectorised write of {args.changes:,} x {ds.VALUE} B, {IMPLEMENTATION}, {os.cpu_count()} cores, "
           f"{args.rounds} rounds (load {os.getloadavg()[0]:.1f}); medians")
-    print(f"  {'':24s} {'wall ms':>8s} {'CPU ms':>8s} {'plain/wall':>10s} {'CPU/2 ms':>9s}")
+    print(f"  {'':26s} {'wall ms':>8s} {'CPU ms':>8s} {'plain/wall':>10s} {'CPU/2 ms':>9s}")
     for name in wall:
         t, c = statistics.median(wall[name]) * 1e3, statistics.median(cpu[name]) * 1e3
-        print(f"  {name:24s} {t:8.1f} {c:8.1f} {plain * 1e3 / t:10.2f} {c / 2:9.1f}")
+        print(f"  {name:26s} {t:8.1f} {c:8.1f} {plain * 1e3 / t:10.2f} {c / 2:9.1f}")
     print(f"  memory copy: {rate[1]:.1f} GB/s on one thread, {rate[2]:.1f} GB/s on two at once")
     return 0
 
