@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -88,16 +89,9 @@ def main(argv=None) -> int:
         for name, (options, _) in VARIANTS.items():
             options = dict(options)
             client_writes = options.pop("_client_writes", None)
-            saved = os.environ.get(CLIENT_WRITES_ENV)
-            if client_writes is not None:  # read by the client when it connects
-                os.environ[CLIENT_WRITES_ENV] = client_writes
-            try:
+            # read by the client when it connects
+            with mock.patch.dict(os.environ, {CLIENT_WRITES_ENV: client_writes} if client_writes else {}):
                 storages[name] = open_storage(os.path.join(root, name.replace(" ", "_").replace(",", "")), **options)
-            finally:
-                if saved is None:
-                    os.environ.pop(CLIENT_WRITES_ENV, None)
-                else:
-                    os.environ[CLIENT_WRITES_ENV] = saved
         for rnd in range(args.rounds + 1):
             path = os.path.join(root, "plain")
             c0, t0 = time.process_time(), time.perf_counter()
