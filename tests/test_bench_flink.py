@@ -212,6 +212,8 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
      ["plain write", "thread, no file write", "memory copy"]),
     ("append_interference.py", ["--changes", "20000", "--rounds", "1"],
      ["no-op C call", "append, file writes stubbed", "append, real uploads"]),
+    ("append_interference.py", ["--changes", "20000", "--rounds", "1", "--mode", "process"],
+     ["no-op C call", "append, real uploads", "page faults a round"]),
     ("thread_mode_load.py", ["--changes", "20000", "--rounds", "1", "--burners", "1"],
      ["0 busy processes", "1 busy processes", "per record, process, switch 0.5 ms", "thread/process throughput"]),
 ])

@@ -205,3 +205,44 @@ def test_views_pickles_and_equality(impl):
     body = buf.seal_body()
     assert bytes(pickle.loads(pickle.dumps(body))) == expected
     assert body == expected and len(body) == len(expected)
+
+
+def _bodies(impl, count, changes=50_000):
+    """`count` sealed bodies of 5 MB each (the default pre-emptive threshold), held alive."""
+    payload = bytes(100)
+    out = []
+    for _ in range(count):
+        buf = impl.ChangeBuffer()
+        for i in range(changes):
+            buf.append(i % 128, payload)
+        out.append(buf.seal_body())
+    return out
+
+
+def test_dropped_bodies_leave_their_memory_for_the_next_change_sets_within_a_bound(tmp_path):
+    """A per-record loop runs ahead of its uploads: when the uploaded bodies are dropped, their arenas
+    and record arrays are kept (up to 160 and 32 MiB) for the next change sets, which then reuse them
+    instead of faulting fresh pages in. A closing storage frees them."""
+    from dstl import open_storage, KeyGroupRange
+    from dstl._fast import _buffer_py
+    impl_buffer = fmt._buffer
+    impl_buffer.release_spares()
+    assert impl_buffer.spare_bytes() == 0
+    bodies = _bodies(fmt, 25)  # 25 arenas of 8 MiB and 25 record arrays of 1 MiB
+    del bodies
+    kept = impl_buffer.spare_bytes()
+    if impl_buffer is _buffer_py:
+        assert kept == 0  # the twin keeps nothing: Python's allocator reuses its memory
+    else:
+        assert kept == (160 << 20) + (25 << 20)  # 20 of the arenas fill the pool; all the records fit
+        again = _bodies(fmt, 3)
+        assert impl_buffer.spare_bytes() < kept  # taken from the pool
+        assert b"".join(b.tobytes() for b in again) == b"".join(b.tobytes() for b in _bodies(_buffer_py, 3))
+    with open_storage(str(tmp_path / "s"), upload_mode="direct") as storage:
+        writer = storage.create_writer("w", KeyGroupRange(0, 127))
+        for i in range(60_000):
+            writer.append(i % 128, bytes(100))
+        writer.persist(writer.initial_sequence_number(), 1).result(60)
+        writer.close()
+        assert (impl_buffer.spare_bytes() > 0) == (impl_buffer is not _buffer_py)
+    assert impl_buffer.spare_bytes() == 0

@@ -3,15 +3,18 @@ in thread mode, alternating round by round between (a) the loop calling a no-op 
 (b) `writer.append` with the uploads' file writes replaced by a no-op (layout and page-cache copy
 gone, everything else real) and (c) `writer.append` with the real uploads. `--pin` puts the
 appending thread on CPU 0 and every other thread of the process on CPU 1 (is it a fight for the
-cores?). Prints ns a change, medians of the rounds.
+cores?). `--mode process` times (a) and (c) with the upload service instead (bench-flink's
+per-record write; the stub applies to thread mode only). Prints ns a change, medians of the rounds,
+and for the appends the appending thread's CPU time and its page faults a round.
 
-Usage: .venv/bin/python bench/flink/append_interference.py [--rounds R] [--pin]
+Usage: .venv/bin/python bench/flink/append_interference.py [--rounds R] [--pin] [--mode thread|process]
 """
 from __future__ import annotations
 
 import argparse
 import operator
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -39,13 +42,16 @@ def _pin() -> None:
         os.sched_setaffinity(int(tid), {0} if int(tid) == me else {1})
 
 
-def _appends(storage, name: str, w, pin: bool) -> float:
+def _appends(storage, name: str, w, pin: bool, cpu: list, faults: list) -> float:
     writer = storage.create_writer(name, w.key_group_range)
     if pin:
         _pin()
+    f0, c0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
     t0 = time.perf_counter()
     _loop(w.kg_list, w.values, writer.append)
     took = time.perf_counter() - t0
+    cpu.append(time.thread_time() - c0)
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
     handle = writer.persist(writer.initial_sequence_number(), 1).result(ds.PERSIST_TIMEOUT)
     writer.close()
     ds.discard([handle.job_manager_owned_snapshot])
@@ -57,35 +63,47 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--changes", type=int, default=1_000_000)
     ap.add_argument("--pin", action="store_true")
+    ap.add_argument("--mode", choices=("thread", "process"), default="thread")
     args = ap.parse_args(argv)
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         ap.error("--pin needs two CPUs")
     w = ds.make_workload(args.changes)
     root = tempfile.mkdtemp(prefix="dstl-bench-interference-")
-    storage = open_storage(os.path.join(root, "t"), upload_mode="thread")
+    storage = open_storage(os.path.join(root, "t"), upload_mode=args.mode)
     real = (_uploader.write_bodies, _uploader.write_bodies_at)
     times = {"no-op C call": [], "append, file writes stubbed": [], "append, real uploads": []}
+    if args.mode == "process":
+        del times["append, file writes stubbed"]
+    cpu = {name: [] for name in times}
+    faults = {name: [] for name in times}
     try:
         for r in range(args.rounds):
             t0 = time.perf_counter()
             _loop(w.kg_list, w.values, operator.is_)
             times["no-op C call"].append(time.perf_counter() - t0)
-            _uploader.write_bodies, _uploader.write_bodies_at = _no_write, _no_write_at
-            try:
-                times["append, file writes stubbed"].append(_appends(storage, f"s{r}", w, args.pin))
-            finally:
-                _uploader.write_bodies, _uploader.write_bodies_at = real
-            times["append, real uploads"].append(_appends(storage, f"r{r}", w, args.pin))
+            if args.mode == "thread":
+                stubbed = "append, file writes stubbed"
+                _uploader.write_bodies, _uploader.write_bodies_at = _no_write, _no_write_at
+                try:
+                    times[stubbed].append(_appends(storage, f"s{r}", w, args.pin, cpu[stubbed], faults[stubbed]))
+                finally:
+                    _uploader.write_bodies, _uploader.write_bodies_at = real
+            name = "append, real uploads"
+            times[name].append(_appends(storage, f"r{r}", w, args.pin, cpu[name], faults[name]))
             if args.pin:
                 os.sched_setaffinity(0, {0, 1})
     finally:
         storage.close()
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{args.changes:,} appends, {IMPLEMENTATION}, thread mode, {args.rounds} rounds, pinned: {args.pin}, "
+    print(f"{args.changes:,} appends, {IMPLEMENTATION}, {args.mode} mode, {args.rounds} rounds, pinned: {args.pin}, "
           f"load {os.getloadavg()[0]:.1f}; ns a change, median (min-max)")
     for name, ts in times.items():
         ns = [t * 1e9 / args.changes for t in ts]
-        print(f"  {name:30s} {statistics.median(ns):6.1f} ({min(ns):.1f}-{max(ns):.1f})")
+        line = f"  {name:30s} {statistics.median(ns):6.1f} ({min(ns):.1f}-{max(ns):.1f})"
+        if cpu[name]:
+            line += (f"   thread CPU {statistics.median(cpu[name]) * 1e9 / args.changes:.1f} ns,"
+                     f" page faults a round {statistics.median(faults[name]):.0f}")
+        print(line)
     return 0
 
 

@@ -67,27 +67,35 @@ cdef inline void put_be32(unsigned char* p, int32_t value) noexcept nogil:
 
 
 cdef enum:
-    SPARE_RECORDS = 4       # record arrays / arenas of sealed bodies kept for the next change sets
-    SPARE_ARENAS = 2
-    SPARE_RECORDS_MAX = 1 << 18  # records (16 B each): at most 16 MiB of idle arrays, plus 16 MiB of arenas
+    SPARE_RECORDS = 32      # record arrays / arenas of sealed bodies kept for the next change sets
+    SPARE_ARENAS = 32
+    SPARE_RECORDS_MAX = 1 << 18  # records (16 B each) in one kept set of arrays
+    SPARE_RECORD_BYTES = 32 << 20   # idle record arrays kept, at most
+    SPARE_ARENA_BYTES = 160 << 20   # idle arenas kept, at most: 20 of the default threshold's 8 MiB
 
 # Sealed bodies take over the buffer's record arrays and arena; when a body is dropped (its upload
 # is done) they come back here, so the next change sets reuse memory that is already mapped instead
-# of growing fresh arrays page fault by page fault. Only touched with the GIL held.
+# of growing fresh arrays page fault by page fault. A per-record loop runs ahead of its uploads by
+# up to the in-flight limit (100 MiB by default, 20 change sets), and the uploads return them in a
+# burst: the pool keeps what was in flight at the peak (docs/benchmarks.md). Only touched with the
+# GIL held; a closing storage empties it (`release_spares`).
 cdef int32_t* spare_kgs[SPARE_RECORDS]
 cdef int64_t* spare_offs[SPARE_RECORDS]
 cdef int32_t* spare_lens[SPARE_RECORDS]
 cdef int64_t spare_cap[SPARE_RECORDS]
 cdef int nspare_records = 0
+cdef int64_t spare_records_bytes = 0
 cdef unsigned char* spare_arena[SPARE_ARENAS]
 cdef int64_t spare_arena_cap[SPARE_ARENAS]
 cdef int nspare_arenas = 0
+cdef int64_t spare_arena_bytes = 0
 
 
 cdef void donate_records(int32_t* kgs, int64_t* offs, int32_t* lens, int64_t cap) noexcept:
-    global nspare_records
+    global nspare_records, spare_records_bytes
     if kgs != NULL and offs != NULL and lens != NULL and nspare_records < SPARE_RECORDS \
-            and cap <= SPARE_RECORDS_MAX:
+            and cap <= SPARE_RECORDS_MAX and spare_records_bytes + 16 * cap <= SPARE_RECORD_BYTES:
+        spare_records_bytes += 16 * cap
         spare_kgs[nspare_records] = kgs
         spare_offs[nspare_records] = offs
         spare_lens[nspare_records] = lens
@@ -100,13 +108,34 @@ cdef void donate_records(int32_t* kgs, int64_t* offs, int32_t* lens, int64_t cap
 
 
 cdef void donate_arena(unsigned char* arena, int64_t cap) noexcept:
-    global nspare_arenas
-    if arena != NULL and nspare_arenas < SPARE_ARENAS and cap <= KEEP_ARENA:
+    global nspare_arenas, spare_arena_bytes
+    if arena != NULL and nspare_arenas < SPARE_ARENAS and cap <= KEEP_ARENA \
+            and spare_arena_bytes + cap <= SPARE_ARENA_BYTES:
+        spare_arena_bytes += cap
         spare_arena[nspare_arenas] = arena
         spare_arena_cap[nspare_arenas] = cap
         nspare_arenas += 1
     else:
         free(arena)
+
+
+def spare_bytes():
+    """Idle memory kept for the next change sets' records and arenas (0 in the twin, which keeps none)."""
+    return spare_records_bytes + spare_arena_bytes
+
+
+def release_spares():
+    """Free the idle memory kept for the next change sets (a closing storage calls this)."""
+    global nspare_records, nspare_arenas, spare_records_bytes, spare_arena_bytes
+    while nspare_records:
+        nspare_records -= 1
+        free(spare_kgs[nspare_records])
+        free(spare_offs[nspare_records])
+        free(spare_lens[nspare_records])
+    while nspare_arenas:
+        nspare_arenas -= 1
+        free(spare_arena[nspare_arenas])
+    spare_records_bytes = spare_arena_bytes = 0
 
 
 def _immutable(data):
@@ -216,15 +245,17 @@ cdef class ChangeBuffer:
             if self.counts == NULL:
                 raise MemoryError()
             memset(self.counts, 0, NSLOTS * sizeof(int64_t))
-        global nspare_records, nspare_arenas
+        global nspare_records, nspare_arenas, spare_records_bytes, spare_arena_bytes
         if self.cap == 0 and self.kgs == NULL and nspare_records:
             nspare_records -= 1
+            spare_records_bytes -= 16 * spare_cap[nspare_records]
             self.kgs = spare_kgs[nspare_records]
             self.offs = spare_offs[nspare_records]
             self.lens = spare_lens[nspare_records]
             self.cap = spare_cap[nspare_records]
         if self.arena_cap == 0 and self.arena == NULL and nbytes and nspare_arenas:
             nspare_arenas -= 1
+            spare_arena_bytes -= spare_arena_cap[nspare_arenas]
             self.arena = spare_arena[nspare_arenas]
             self.arena_cap = spare_arena_cap[nspare_arenas]
         want = self.n + records

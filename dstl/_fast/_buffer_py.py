@@ -147,6 +147,16 @@ def _raise_first_bad_row(kgs: np.ndarray, offs: np.ndarray, lengths: np.ndarray,
 CHUNK = 1 << 20  # bytes per piece of SealedBody.write_to
 
 
+def spare_bytes() -> int:
+    """Idle memory kept for the next change sets: none here (the Cython module keeps sealed bodies'
+    arrays and arenas for reuse; Python's allocator does that for the twin)."""
+    return 0
+
+
+def release_spares() -> None:
+    """Free the idle memory kept for the next change sets: nothing to free in the twin."""
+
+
 class SealedBody(bytes):
     """Twin of the Cython `SealedBody`: a sealed body with `write_to(write, chunk_size)` (pieces in
     order, each at most `chunk_size` bytes) and `tobytes()`; here it is the body bytes themselves."""

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Dict, Mapping, Optional, Union
 
 from dstl.config import StorageConfig
+from dstl.format import release_spares
 from dstl.types import KeyGroupRange
 from dstl.changelog.writer import FsStateChangelogWriter
 
@@ -195,6 +196,7 @@ class FsStateChangelogStorage:
             except Exception as exc:  # close everything, then report the first problem
                 log.warning("error while closing the changelog storage", exc_info=True)
                 errors.append(exc)
+        release_spares()  # the memory kept for this storage's next change sets
         if errors:
             raise errors[0]
 

@@ -22,6 +22,7 @@ from dstl._fast._decode_py import ChangeSetInfo
 _buffer = _impl.kernel("_buffer")
 ChangeBuffer, WriterCore, write_bodies = _buffer.ChangeBuffer, _buffer.WriterCore, _buffer.write_bodies
 write_bodies_at = _buffer.write_bodies_at
+spare_bytes, release_spares = _buffer.spare_bytes, _buffer.release_spares
 _decode = _impl.kernel("_decode")
 decode_change_set, decode_change_set_arrays, walk = _decode.decode_change_set, _decode.decode_change_set_arrays, _decode.walk
 iter_change_set, chain_changes = _decode.iter_change_set, _decode.chain_changes
@@ -32,7 +33,7 @@ __all__ = [
     "FLAG_RAW", "FLAG_SNAPPY", "FLAG_ZSTD", "IMPLEMENTATION", "ChangeBuffer", "ChangeSetInfo", "WriterCore",
     "encode_change_set", "encode_file", "write_file", "to_logical", "decode_change_set",
     "decode_change_set_arrays", "decode_file", "decode_stream", "iter_change_set", "chain_changes", "walk",
-    "codec_flag", "write_bodies", "write_bodies_at",
+    "codec_flag", "write_bodies", "write_bodies_at", "spare_bytes", "release_spares",
 ]
 
 
