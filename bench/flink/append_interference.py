@@ -5,7 +5,8 @@ gone, everything else real) and (c) `writer.append` with the real uploads. `--pi
 appending thread on CPU 0 and every other thread of the process on CPU 1 (is it a fight for the
 cores?). `--mode process` times (a) and (c) with the upload service instead (bench-flink's
 per-record write; the stub applies to thread mode only). Prints ns a change, medians of the rounds,
-and for the appends the appending thread's CPU time and its page faults a round.
+and for the appends the appending thread's CPU time, its page faults and the times it blocked
+(voluntary context switches: waits for the GIL) a round.
 
 Usage: .venv/bin/python bench/flink/append_interference.py [--rounds R] [--pin] [--mode thread|process]
 """
@@ -42,16 +43,18 @@ def _pin() -> None:
         os.sched_setaffinity(int(tid), {0} if int(tid) == me else {1})
 
 
-def _appends(storage, name: str, w, pin: bool, cpu: list, faults: list) -> float:
+def _appends(storage, name: str, w, pin: bool, cpu: list, faults: list, waits: list) -> float:
     writer = storage.create_writer(name, w.key_group_range)
     if pin:
         _pin()
-    f0, c0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
+    u0, c0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
     t0 = time.perf_counter()
     _loop(w.kg_list, w.values, writer.append)
     took = time.perf_counter() - t0
     cpu.append(time.thread_time() - c0)
-    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+    u1 = resource.getrusage(resource.RUSAGE_THREAD)
+    faults.append(u1.ru_minflt - u0.ru_minflt)
+    waits.append(u1.ru_nvcsw - u0.ru_nvcsw)  # the thread blocked: mostly waiting for the GIL
     handle = writer.persist(writer.initial_sequence_number(), 1).result(ds.PERSIST_TIMEOUT)
     writer.close()
     ds.discard([handle.job_manager_owned_snapshot])
@@ -76,6 +79,7 @@ def main(argv=None) -> int:
         del times["append, file writes stubbed"]
     cpu = {name: [] for name in times}
     faults = {name: [] for name in times}
+    waits = {name: [] for name in times}
     try:
         for r in range(args.rounds):
             t0 = time.perf_counter()
@@ -85,11 +89,12 @@ def main(argv=None) -> int:
                 stubbed = "append, file writes stubbed"
                 _uploader.write_bodies, _uploader.write_bodies_at = _no_write, _no_write_at
                 try:
-                    times[stubbed].append(_appends(storage, f"s{r}", w, args.pin, cpu[stubbed], faults[stubbed]))
+                    times[stubbed].append(_appends(storage, f"s{r}", w, args.pin, cpu[stubbed], faults[stubbed],
+                                                   waits[stubbed]))
                 finally:
                     _uploader.write_bodies, _uploader.write_bodies_at = real
             name = "append, real uploads"
-            times[name].append(_appends(storage, f"r{r}", w, args.pin, cpu[name], faults[name]))
+            times[name].append(_appends(storage, f"r{r}", w, args.pin, cpu[name], faults[name], waits[name]))
             if args.pin:
                 os.sched_setaffinity(0, {0, 1})
     finally:
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
         line = f"  {name:30s} {statistics.median(ns):6.1f} ({min(ns):.1f}-{max(ns):.1f})"
         if cpu[name]:
             line += (f"   thread CPU {statistics.median(cpu[name]) * 1e9 / args.changes:.1f} ns,"
-                     f" page faults a round {statistics.median(faults[name]):.0f}")
+                     f" page faults a round {statistics.median(faults[name]):.0f},"
+                     f" waits (voluntary switches) {statistics.median(waits[name]):.0f}")
         print(line)
     return 0
 
