@@ -266,13 +266,15 @@ def test_sweep_removes_a_removed_directory_whose_remover_died(tmp_path):
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    mine = tmp_path / f"{runtime.TRASH_PREFIX}abc.{os.getpid()}.00aa11"
+    mine = tmp_path / runtime._trash_name("abc.def")  # the name _remove_dir gives, with a dot in it
     orphan = tmp_path / f"{runtime.TRASH_PREFIX}abc.{dead.stdout.strip()}.00aa12"
-    for d in (mine, orphan):
+    malformed = tmp_path / f"{runtime.TRASH_PREFIX}abc.x.00aa13"
+    for d in (mine, orphan, malformed):
         (d / "journal").mkdir(parents=True)
         (d / "config.json").write_text("{}")
     runtime.sweep_runtime_dirs(str(tmp_path), grace_s=0)
     assert mine.exists() and not orphan.exists()  # a live remover finishes its own
+    assert not malformed.exists()
 
 
 def test_uploader_takes_the_file_name_the_service_announced(tmp_path):

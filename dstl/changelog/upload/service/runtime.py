@@ -201,7 +201,7 @@ def _remove_dir(directory: str) -> None:
     """Rename `directory` aside (atomically), then delete it: a client that makes it anew meanwhile
     gets an empty one of its own, never one whose files are still being deleted."""
     parent, name = os.path.split(directory)
-    trash = os.path.join(parent, f"{TRASH_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(3)}")
+    trash = os.path.join(parent, _trash_name(name))
     try:
         os.rename(directory, trash)
     except FileNotFoundError:
@@ -225,6 +225,19 @@ def pid_alive(pid: int) -> bool:
 
 
 TRASH_PREFIX = ".removed-"  # a service directory being deleted (see _remove_dir)
+
+
+def _trash_name(name: str) -> str:
+    """What `_remove_dir` renames directory `name` to: the prefix, the name, the remover's pid."""
+    return f"{TRASH_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+def _trash_remover(name: str) -> Optional[int]:
+    """The pid of the process removing the directory `name`, if `name` is a `_trash_name`."""
+    if not name.startswith(TRASH_PREFIX):
+        return None
+    pid = name.rsplit(".", 2)[-2]
+    return int(pid) if pid.isdigit() else -1  # -1: a malformed name, which no process owns
 
 # a directory younger than this is never swept: a client may have just made it for a service it starts
 SWEEP_GRACE_S = 30.0
@@ -283,9 +296,9 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
                 continue
         except FileNotFoundError:
             continue
-        if name.startswith(TRASH_PREFIX):  # its remover died mid-way
-            pid = name.rsplit(".", 2)[-2]
-            if not pid.isdigit() or not pid_alive(int(pid)):
+        remover = _trash_remover(name)
+        if remover is not None:  # being removed: left over if its remover died mid-way
+            if remover < 0 or not pid_alive(remover):
                 shutil.rmtree(d, ignore_errors=True)
             continue
         paths = ServicePaths(d)
