@@ -197,6 +197,22 @@ def _names(path: str, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
+TRASH_PREFIX = ".removed-"  # a service directory being deleted (see _remove_dir)
+
+
+def _trash_name(name: str) -> str:
+    """What `_remove_dir` renames directory `name` to: the prefix, the name, the remover's pid."""
+    return f"{TRASH_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+def _trash_remover(name: str) -> Optional[int]:
+    """The pid of the process removing the directory `name`, if `name` is a `_trash_name`."""
+    if not name.startswith(TRASH_PREFIX):
+        return None
+    pid = name.rsplit(".", 2)[-2]
+    return int(pid) if pid.isdigit() else -1  # -1: a malformed name, which no process owns
+
+
 def _remove_dir(directory: str) -> None:
     """Rename `directory` aside (atomically), then delete it: a client that makes it anew meanwhile
     gets an empty one of its own, never one whose files are still being deleted."""
@@ -223,21 +239,6 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
 
-
-TRASH_PREFIX = ".removed-"  # a service directory being deleted (see _remove_dir)
-
-
-def _trash_name(name: str) -> str:
-    """What `_remove_dir` renames directory `name` to: the prefix, the name, the remover's pid."""
-    return f"{TRASH_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(3)}"
-
-
-def _trash_remover(name: str) -> Optional[int]:
-    """The pid of the process removing the directory `name`, if `name` is a `_trash_name`."""
-    if not name.startswith(TRASH_PREFIX):
-        return None
-    pid = name.rsplit(".", 2)[-2]
-    return int(pid) if pid.isdigit() else -1  # -1: a malformed name, which no process owns
 
 # a directory younger than this is never swept: a client may have just made it for a service it starts
 SWEEP_GRACE_S = 30.0
