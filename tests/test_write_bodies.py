@@ -193,3 +193,86 @@ def test_the_facade_picks_the_loaded_implementation():
     from dstl._impl import IMPLEMENTATION
 
     assert fmt.write_bodies.__module__.endswith("_buffer_py" if IMPLEMENTATION == "python" else "_buffer")
+
+
+def _per_record_ops(shape: str, rng: random.Random) -> list:
+    """Per-record appends: `dense` (128 groups, many 100-byte changes: several chunks a group, more
+    than one writev of iovecs), `large` (changes above the largest chunk among small ones, metadata
+    and empty ones), `sparse` (thousands of groups of one small change) and `mixed` (appends, then an
+    append_many)."""
+    if shape == "dense":
+        return [(i % 128, rng.randbytes(100)) for i in range(30_000)]
+    if shape == "large":
+        return [(rng.choice([-1, 0, 9, 64, 32767]), rng.randbytes(rng.choice([0, 3, 100, 20_000, 70_000])))
+                for _ in range(300)]
+    if shape == "sparse":
+        return [(g, rng.randbytes(10)) for g in range(5_000)]
+    return [(i % 7, rng.randbytes(300)) for i in range(2_000)]
+
+
+def _fill_per_record(buf, shape: str, ops: list):
+    for kg, data in ops:
+        buf.append(kg, data)
+    if shape == "mixed":
+        buf.append_many(np.array([3, 1], np.int32), b"abcde", np.array([0, 2, 5], np.int64))
+    return buf
+
+
+@impl_params
+@pytest.mark.parametrize("shape", ["dense", "large", "sparse", "mixed"])
+def test_per_record_bodies_are_written_from_their_group_chunks(impl, shape, tmp_path):
+    """Per-record appends copy each change as [length][payload] into its group's chunk, so the Cython
+    file write takes the chunks as they are (writev) instead of laying the body out: the same bytes as
+    the twin's seal, through every path, to every descriptor and at an offset. Many groups of a change
+    or two, or changes from append_many, are laid out record by record as before."""
+    ops = _per_record_ops(shape, random.Random(shape))
+    expected = _fill_per_record(_buffer_py.ChangeBuffer(), shape, ops).seal()
+    body = _fill_per_record(impl.ChangeBuffer(), shape, ops).seal_body()
+    if impl.name == "cython":
+        assert body._chunked == (shape in ("dense", "large"))
+    paths = [tmp_path / "a", tmp_path / "b"]
+    fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL) for p in paths]
+    try:
+        assert _write_bodies(impl)(fds, [b"<", body, b">"]) == len(expected) + 2
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for p in paths:
+        assert p.read_bytes() == b"<" + expected + b">"
+    paths[0].write_bytes(b"\xee" * (len(expected) + 9))
+    assert _write_bodies(impl, "write_bodies_at")([str(paths[0])], 4, [body]) == len(expected)
+    assert paths[0].read_bytes() == b"\xee" * 4 + expected + b"\xee" * 5
+    pieces = []
+    body.write_to(lambda v: pieces.append(bytes(v)), 4096)
+    assert b"".join(pieces) == expected and bytes(body) == expected
+
+@pytest.mark.skipif(CYTHON is None, reason="the chunked write is the Cython routine's")
+def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):
+    """A writev that the file-size limit cuts short is finished with write(2), which then fails:
+    OSError with the errno, and the bytes before the limit are the body's."""
+    import subprocess
+    import sys
+    script = (
+        "import os, resource, signal, sys\n"
+        "from dstl._fast import _buffer\n"
+        "bufs = [_buffer.ChangeBuffer(), _buffer.ChangeBuffer()]\n"
+        "for i in range(20_000):\n"
+        "    for buf in bufs:\n"
+        "        buf.append(i % 64, bytes([i % 251]) * 100)\n"
+        "body = bufs[0].seal_body()\n"
+        "assert body._chunked\n"
+        "open(sys.argv[2], 'wb').write(bufs[1].seal())\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_003, resource.RLIM_INFINITY))\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL)\n"
+        "try:\n"
+        "    _buffer.write_bodies([fd], [body])\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "f"), str(tmp_path / "whole")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(errno.EFBIG)]
+    got, whole = (tmp_path / "f").read_bytes(), (tmp_path / "whole").read_bytes()
+    assert len(got) == 1_000_003 and got == whole[:1_000_003]

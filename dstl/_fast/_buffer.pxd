@@ -20,9 +20,18 @@ cdef class ChangeBuffer:
     cdef const unsigned char** run_ptr   # payload base of each run; NULL = the arena
     cdef int64_t nruns, runs_cap
     cdef list sources           # keeps zero-copy sources (and their buffer exports) alive
+    # appends copy each change as [length][payload] into its group's current chunk of the arena, so
+    # a sealed body's groups are runs of chunks that a file write takes as they are (docs/format.md)
+    cdef int64_t* gpos          # per slot: where the group's next change goes (allocated with counts)
+    cdef int64_t* gend          # per slot: the end of the group's current chunk; 0 = none
+    cdef int64_t* gcur          # per slot: that chunk's index in `chunks`
+    cdef int64_t* chunks        # (slot, start, end) per chunk, in the order they were carved
+    cdef int64_t nchunks, chunks_cap
+    cdef int64_t ungrouped      # changes held outside chunks (append_many's)
 
     cdef int _reserve(self, int64_t records, int64_t nbytes) except -1
     cdef int _new_run(self, const unsigned char* base) except -1
+    cdef int _new_chunk(self, int slot, int64_t length) except -1
     cdef void _count(self, int slot, int64_t k) noexcept nogil
     cdef int _check_idle(self) except -1
     cdef int _add(self, int32_t kg, object data) except -1

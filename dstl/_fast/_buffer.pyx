@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Cython change buffer: appends go into one malloc arena plus int arrays (key group, offset,
 length); `seal` is a counting sort by key group followed by one scatter copy into the body.
+Per-record appends copy each change as [length][payload] into its key group's chunk of the arena,
+so a file write can take a sealed body's groups as they are (`write_bodies`: writev).
 
 `append_many` on an immutable source (bytes, pyarrow.Buffer, or a memoryview of either) keeps a
 reference instead of copying: the payload is then copied exactly once, by `seal`. Records are
@@ -14,7 +16,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromSt
 from cpython.long cimport PyLong_AsLongAndOverflow, PyLong_CheckExact
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport int32_t, int64_t, intptr_t, uint32_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 
 import operator
@@ -27,6 +29,8 @@ from dstl._fast._buffer_py import byte_view, check_key_group, coerce_many, writa
 cdef enum:
     NSLOTS = 32769          # key groups -1..32767, slot = kg + 1
     KEEP_ARENA = 8 << 20    # clear() keeps at most this much arena for reuse
+    CHUNK_MAX = 16 << 10    # a group's largest chunk: a writev of 16 KiB pieces copies as fast as one write()
+    SPAN_MIN = 512          # bytes per iovec, on average, below which a body is laid out instead
 
 cdef int64_t INT32_MAX = 2147483647
 
@@ -44,8 +48,10 @@ cdef extern from *:
     #define MADV_HUGEPAGE 14
     #endif
     #define DSTL_PREFETCH(p) __builtin_prefetch((const void*)(p), 0, 0)
+    #define DSTL_PREFETCH_W(p) __builtin_prefetch((const void*)(p), 1, 3)
     """
     void DSTL_PREFETCH(const void* p) noexcept nogil
+    void DSTL_PREFETCH_W(const void* p) noexcept nogil
 
 
 cdef inline void huge_pages(void* start, int64_t length) noexcept nogil:
@@ -186,24 +192,36 @@ cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src,
         self._check_idle()
     if length > INT32_MAX:
         raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
-    if self.n >= self.cap or self.arena_len + length > self.arena_cap or self.counts == NULL:
-        self._reserve(1, length)
+    if self.n >= self.cap or self.counts == NULL:
+        self._reserve(1, 0)
     if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
         self._new_run(NULL)
+    if self.gpos[kg + 1] + 4 + length > self.gend[kg + 1]:
+        self._new_chunk(kg + 1, length)
     store_change(self, kg, src, length)
     return 0
 
 
 cdef inline void store_change(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
-    """The stores of one change whose room is made: payload into the arena, its record, its count."""
-    memcpy(buf.arena + buf.arena_len, src, length)
+    """The stores of one change whose room is made: [length][payload] at the end of its group's chunk,
+    its record, its count."""
+    cdef int64_t p = buf.gpos[kg + 1]
+    cdef int64_t next_p = p + 4 + length
+    put_be32(buf.arena + p, <int32_t>length)
+    memcpy(buf.arena + p + 4, src, length)
+    buf.gpos[kg + 1] = next_p
     buf.kgs[buf.n] = kg
-    buf.offs[buf.n] = buf.arena_len
+    buf.offs[buf.n] = p + 4
     buf.lens[buf.n] = <int32_t>length
     buf.n += 1
-    buf.arena_len += length
     buf.payload += length
     buf._count(kg + 1, 1)
+    # the group's next change goes right after this one, many appends from now: fetch its lines for
+    # writing meanwhile (the groups' chunks are written as interleaved streams, more than the hardware
+    # prefetcher follows; without this an append took twice as long)
+    if next_p + 128 <= buf.gend[kg + 1]:
+        DSTL_PREFETCH_W(buf.arena + next_p + 64)
+        DSTL_PREFETCH_W(buf.arena + next_p + 128)
 
 
 cdef class ChangeBuffer:
@@ -227,8 +245,14 @@ cdef class ChangeBuffer:
         self.run_ptr = NULL
         self.nruns = self.runs_cap = 0
         self.sources = []
+        self.gpos = self.gend = self.gcur = NULL
+        self.chunks = NULL
+        self.nchunks = self.chunks_cap = 0
+        self.ungrouped = 0
 
     def __dealloc__(self):
+        free(self.gpos)  # gend and gcur share its allocation
+        free(self.chunks)
         free(self.run_first)
         free(<void*>self.run_ptr)
         free(self.arena)
@@ -241,10 +265,15 @@ cdef class ChangeBuffer:
         cdef int64_t want, new_cap
         cdef void* p
         if self.counts == NULL:
-            self.counts = <int64_t*>malloc(NSLOTS * sizeof(int64_t))
-            if self.counts == NULL:
+            self.counts = <int64_t*>calloc(NSLOTS, sizeof(int64_t))
+            self.gpos = <int64_t*>calloc(3 * NSLOTS, sizeof(int64_t))  # pages of unused slots stay untouched
+            if self.counts == NULL or self.gpos == NULL:
+                free(self.counts)
+                free(self.gpos)
+                self.counts = self.gpos = NULL
                 raise MemoryError()
-            memset(self.counts, 0, NSLOTS * sizeof(int64_t))
+            self.gend = self.gpos + NSLOTS
+            self.gcur = self.gpos + 2 * NSLOTS
         global nspare_records, nspare_arenas, spare_records_bytes, spare_arena_bytes
         if self.cap == 0 and self.kgs == NULL and nspare_records:
             nspare_records -= 1
@@ -308,6 +337,44 @@ cdef class ChangeBuffer:
         self.run_first[self.nruns] = self.n
         self.run_ptr[self.nruns] = base
         self.nruns += 1
+        return 0
+
+    cdef int _new_chunk(self, int slot, int64_t length) except -1:
+        """Room for a change of `length` bytes in the group's chunk: the chunk grows in place when it is
+        the last one carved, else a new one is carved, twice the size of the group's last (at most
+        CHUNK_MAX) or just the change's: few iovecs per group, and no slack for a group of one change."""
+        cdef int64_t need = 4 + length, size = 0, k
+        cdef void* p
+        if self.gend[slot]:
+            size = 2 * (self.gend[slot] - self.chunks[3 * self.gcur[slot] + 1])
+            if size > CHUNK_MAX:
+                size = CHUNK_MAX
+        if size < need:
+            size = need
+        if self.arena_len + size > self.arena_cap:
+            self._reserve(0, size)
+        if self.gend[slot] and self.gend[slot] == self.arena_len:
+            self.gend[slot] += size
+            self.arena_len += size
+            return 0
+        if self.nchunks == self.chunks_cap:
+            k = self.chunks_cap * 2 if self.chunks_cap else 256
+            p = realloc(self.chunks, 3 * k * sizeof(int64_t))
+            if p == NULL:
+                raise MemoryError()
+            self.chunks = <int64_t*>p
+            self.chunks_cap = k
+        if self.gend[slot]:
+            self.chunks[3 * self.gcur[slot] + 2] = self.gpos[slot]
+        k = self.nchunks
+        self.chunks[3 * k] = slot
+        self.chunks[3 * k + 1] = self.arena_len
+        self.chunks[3 * k + 2] = -1  # open: its end is the group's gpos
+        self.nchunks += 1
+        self.gcur[slot] = k
+        self.gpos[slot] = self.arena_len
+        self.gend[slot] = self.arena_len + size
+        self.arena_len += size
         return 0
 
     cdef inline void _count(self, int slot, int64_t k) noexcept nogil:
@@ -407,6 +474,7 @@ cdef class ChangeBuffer:
                     self.lens[n0 + i] = <int32_t>(o[i + 1] - o[i])
                     self._count(kv + 1, 1)
             self.n += m
+            self.ungrouped += m
             self.arena_len += nbytes
             self.payload += o[m] - first
         finally:
@@ -512,6 +580,8 @@ cdef class ChangeBuffer:
                 stop = self.run_first[r + 1] if r + 1 < self.nruns else self.n
                 for i in range(self.run_first[r], stop):
                     self.offs[i] += base
+            if self.ungrouped == 0:
+                chunks_to(self, body)
             body.kgs, body.offs, body.lens, body.arena = self.kgs, self.offs, self.lens, self.arena
             body.cap, body.arena_cap = self.cap, self.arena_cap
             body.sources = self.sources
@@ -556,6 +626,8 @@ cdef class ChangeBuffer:
         self._check_idle()
         if self.counts != NULL and self.max_slot >= self.min_slot:
             memset(self.counts + self.min_slot, 0, (self.max_slot - self.min_slot + 1) * sizeof(int64_t))
+            memset(self.gpos + self.min_slot, 0, (self.max_slot - self.min_slot + 1) * sizeof(int64_t))
+            memset(self.gend + self.min_slot, 0, (self.max_slot - self.min_slot + 1) * sizeof(int64_t))
         self.min_slot = NSLOTS
         self.max_slot = -1
         self.num_groups = 0
@@ -563,6 +635,8 @@ cdef class ChangeBuffer:
         self.payload = 0
         self.arena_len = 0
         self.nruns = 0
+        self.nchunks = 0
+        self.ungrouped = 0
         self.sources = []
         if self.arena_cap > KEEP_ARENA:  # do not pin a large arena in an idle buffer
             free(self.arena)
@@ -675,6 +749,9 @@ cdef struct BodyRef:
     const int32_t* lens
     const int64_t* groups    # (key group, count) per group, canonical order
     const Rec* order         # NULL until SealedBody._order built it
+    const unsigned char* arena
+    const int64_t* spans     # the groups' chunks, or NULL (see SealedBody)
+    const int64_t* gspans
 
 
 cdef int scatter_body(const BodyRef* b, unsigned char* dst) noexcept nogil:
@@ -711,6 +788,22 @@ cdef int scatter_body(const BodyRef* b, unsigned char* dst) noexcept nogil:
         cursor[g] = p + 4 + length
     free(cursor)
     return 0
+
+
+cdef int64_t chunks_into(const BodyRef* b, unsigned char* dst) noexcept nogil:
+    """Write the whole body from its groups' chunks (b.spans set): each group's header, then its
+    chunks, which hold its changes as [length][payload] already. Returns the bytes written."""
+    cdef int64_t p = 4, g, j, s = 0
+    put_be32(dst, <int32_t>b.num_groups)
+    for g in range(b.num_groups):
+        put_be32(dst + p, <int32_t>b.groups[2 * g + 1])
+        put_be32(dst + p + 4, <int32_t>b.groups[2 * g])
+        p += 8
+        for j in range(b.gspans[g]):
+            memcpy(dst + p, b.arena + b.spans[2 * s], b.spans[2 * s + 1])
+            p += b.spans[2 * s + 1]
+            s += 1
+    return p
 
 
 cdef int64_t fill_body(const BodyRef* b, unsigned char* out, int64_t room, Cursor* c) noexcept nogil:
@@ -783,6 +876,9 @@ cdef class SealedBody:
     cdef int64_t cap, arena_cap  # allocated sizes of the record arrays and the arena
     cdef int64_t* groups    # (key group, count) per group, canonical order
     cdef Rec* order         # the records in canonical order (built on first write)
+    cdef int64_t* spans     # (arena offset, length) of each chunk in canonical order, or NULL
+    cdef int64_t* gspans    # spans per group
+    cdef int64_t nspans
     cdef list sources
     cdef object _bytes
 
@@ -793,6 +889,8 @@ cdef class SealedBody:
         self.arena = NULL
         self.groups = NULL
         self.order = NULL
+        self.spans = self.gspans = NULL
+        self.nspans = 0
         self.cap = self.arena_cap = 0
         self.total = 4
         self.n = self.num_groups = 0
@@ -804,9 +902,16 @@ cdef class SealedBody:
         donate_arena(self.arena, self.arena_cap)
         free(self.groups)
         free(self.order)
+        free(self.spans)
+        free(self.gspans)
 
     def __len__(self):
         return self.total
+
+    @property
+    def _chunked(self):
+        """Tests: whether the body is written from its groups' chunks as they are (no layout copy)."""
+        return self.spans != NULL
 
     cdef int _scatter(self, unsigned char* dst) except -1:
         """Write the whole body into dst (see scatter_body)."""
@@ -825,11 +930,16 @@ cdef class SealedBody:
         cdef Cursor c
         cdef BodyRef ref
         cdef int64_t got
-        self._order()
-        ref = body_ref(self)
-        cursor_start(&c)
-        with nogil:
-            got = fill_body(&ref, dst, self.total, &c)
+        if self.spans != NULL:
+            ref = body_ref(self)
+            with nogil:
+                got = chunks_into(&ref, dst)
+        else:
+            self._order()
+            ref = body_ref(self)
+            cursor_start(&c)
+            with nogil:
+                got = fill_body(&ref, dst, self.total, &c)
         if got != self.total:  # the walk and the encoded size disagree: never write a torn body
             raise RuntimeError(f"sealed body produced {got} bytes, its length is {self.total}")
         return 0
@@ -978,10 +1088,59 @@ cdef class SealedBody:
 
 
 
+cdef int chunks_to(ChangeBuffer self, SealedBody body) except -1:
+    """Give `body` the buffer's chunks in canonical order (stable counting sort by slot), as
+    (start, length) spans with a span count per group. Left out when they do not add up to the body,
+    or are so small (many groups of a few changes) that a writev of them would cost more than a
+    layout: the body is then laid out record by record, as one with append_many's changes is."""
+    cdef int64_t lo = self.min_slot, span = self.max_slot - self.min_slot + 1, i, k, g = 0, total, placed = 0
+    cdef int64_t* at
+    cdef int64_t* spans
+    cdef int64_t* gspans
+    cdef int slot
+    for slot in range(self.min_slot, self.max_slot + 1):  # close each group's open chunk
+        if self.gend[slot]:
+            self.chunks[3 * self.gcur[slot] + 2] = self.gpos[slot]
+    at = <int64_t*>calloc(span + 1, sizeof(int64_t))
+    spans = <int64_t*>malloc((2 * self.nchunks + 1) * sizeof(int64_t))
+    gspans = <int64_t*>calloc(self.num_groups + 1, sizeof(int64_t))
+    if at == NULL or spans == NULL or gspans == NULL:
+        free(at)
+        free(spans)
+        free(gspans)
+        raise MemoryError()
+    for i in range(self.nchunks):  # a chunk with nothing in it would be no span
+        if self.chunks[3 * i + 2] > self.chunks[3 * i + 1]:
+            at[self.chunks[3 * i] - lo + 1] += 1
+    for i in range(span):
+        at[i + 1] += at[i]
+    total = 4 + 8 * self.num_groups
+    for i in range(self.nchunks):
+        if self.chunks[3 * i + 2] > self.chunks[3 * i + 1]:
+            k = at[self.chunks[3 * i] - lo]
+            at[self.chunks[3 * i] - lo] = k + 1
+            spans[2 * k] = self.chunks[3 * i + 1]
+            spans[2 * k + 1] = self.chunks[3 * i + 2] - self.chunks[3 * i + 1]
+            total += spans[2 * k + 1]
+            placed += 1
+    for slot in range(self.min_slot, self.max_slot + 1):
+        if self.counts[slot]:
+            gspans[g] = at[slot - lo] - (at[slot - lo - 1] if slot > lo else 0)
+            g += 1
+    free(at)
+    if total != body.total or g != self.num_groups or total < SPAN_MIN * (placed + g + 1):
+        free(spans)
+        free(gspans)
+        return 0
+    body.spans, body.gspans, body.nspans = spans, gspans, placed
+    return 0
+
+
 cdef inline BodyRef body_ref(SealedBody body) noexcept:
     cdef BodyRef r
     r.total, r.n, r.num_groups = body.total, body.n, body.num_groups
     r.kgs, r.offs, r.lens, r.groups, r.order = body.kgs, body.offs, body.lens, body.groups, body.order
+    r.arena, r.spans, r.gspans = body.arena, body.spans, body.gspans
     return r
 
 
@@ -1023,8 +1182,77 @@ cdef int write_all(const int* fds, int nfds, const unsigned char* p, int64_t n) 
     return 0
 
 
+cdef extern from "sys/uio.h" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+    ssize_t c_writev "writev" (int fd, const iovec* iov, int iovcnt)
+
+
 cdef enum:
     MAX_FDS = 4
+    IOVS = 512  # iovecs per writev (Linux allows 1024)
+
+
+cdef int writev_all(const int* fds, int nfds, const iovec* iov, int cnt, int64_t n) noexcept nogil:
+    """writev(2) the `cnt` iovecs (`n` bytes) in full to every fd (a short write is finished with
+    write(2)); 0, or the errno of the first failure."""
+    cdef int k, j, err
+    cdef ssize_t got
+    cdef int64_t skip
+    for k in range(nfds):
+        got = c_writev(fds[k], iov, cnt)
+        while got < 0 and errno == EINTR:
+            got = c_writev(fds[k], iov, cnt)
+        if got < 0:
+            return errno
+        if got == n:
+            continue
+        skip = got
+        for j in range(cnt):
+            if skip >= <int64_t>iov[j].iov_len:
+                skip -= iov[j].iov_len
+                continue
+            err = write_all(&fds[k], 1, (<const unsigned char*>iov[j].iov_base) + skip, iov[j].iov_len - skip)
+            if err:
+                return err
+            skip = 0
+    return 0
+
+
+cdef int write_chunked(const int* fds, int nfds, const BodyRef* b, unsigned char* hdr) noexcept nogil:
+    """Write a body that has its groups' chunks (b.spans set) to every fd: its headers go into `hdr`
+    (4 + 8 bytes a group) and the chunks are written where they are, IOVS iovecs a writev: the
+    payload is copied once, into the page cache, as a plain write() copies it."""
+    cdef iovec iov[IOVS]
+    cdef int cnt = 1, err
+    cdef int64_t n = 4, g, j, s = 0
+    cdef unsigned char* h
+    put_be32(hdr, <int32_t>b.num_groups)
+    iov[0].iov_base, iov[0].iov_len = hdr, 4
+    for g in range(b.num_groups):
+        h = hdr + 4 + 8 * g
+        put_be32(h, <int32_t>b.groups[2 * g + 1])
+        put_be32(h + 4, <int32_t>b.groups[2 * g])
+        if cnt == IOVS:
+            err = writev_all(fds, nfds, iov, cnt, n)
+            if err:
+                return err
+            cnt, n = 0, 0
+        iov[cnt].iov_base, iov[cnt].iov_len = h, 8
+        cnt += 1
+        n += 8
+        for j in range(b.gspans[g]):
+            if cnt == IOVS:
+                err = writev_all(fds, nfds, iov, cnt, n)
+                if err:
+                    return err
+                cnt, n = 0, 0
+            iov[cnt].iov_base, iov[cnt].iov_len = <void*>(b.arena + b.spans[2 * s]), b.spans[2 * s + 1]
+            cnt += 1
+            n += b.spans[2 * s + 1]
+            s += 1
+    return writev_all(fds, nfds, iov, cnt, n) if cnt else 0
 
 
 cdef int64_t piece_size = 512 << 10  # write_bodies' piece: produced and written while in the L2 cache
@@ -1042,10 +1270,10 @@ def _set_piece_size(nbytes):
 def write_bodies(fds, bodies):
     """Write `bodies` (sealed bodies or bytes-like objects) back to back to each file descriptor in
     `fds`, at its position, with the GIL released once for all of them: an upload thread needs the
-    interpreter only before and after the file's bytes. A sealed body is produced in canonical order
-    one L2-sized piece at a time and each piece written while it is still in the cache, so that two
-    upload threads scale on two cores (a whole-body layout first makes them contend for the shared
-    cache and memory). Returns the bytes written to each fd; OSError (with the byte offset reached)
+    interpreter only before and after the file's bytes. A sealed body with its groups' chunks is
+    written from them with writev; another is produced in canonical order one L2-sized piece at a
+    time and each piece written while it is still in the cache, so that two upload threads scale on
+    two cores (a whole-body layout first makes them contend for the shared cache and memory). Returns the bytes written to each fd; OSError (with the byte offset reached)
     if a write fails."""
     cdef int cfds[MAX_FDS]
     cdef int nfds = 0
@@ -1090,7 +1318,9 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset,
     cdef bint sealed = False
     cdef Py_buffer* views
     cdef BodyRef* refs
-    cdef int* kinds          # 0 = raw buffer, 1 = sealed body, -1 = not looked at
+    cdef int* kinds          # 0 = raw buffer, 1 = sealed body, 2 = one with chunks, -1 = not looked at
+    cdef int64_t max_groups = -1
+    cdef unsigned char* hdr = NULL
     cdef unsigned char* chunk_ptr = NULL
     cdef Cursor c
     cdef bytearray chunk = None
@@ -1115,6 +1345,12 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset,
             nviews = i + 1
             b = bodies[i]
             held.append(b)
+            if type(b) is SealedBody and (<SealedBody>b)._bytes is None and (<SealedBody>b).spans != NULL:
+                refs[i] = body_ref(<SealedBody>b)
+                kinds[i] = 2
+                if refs[i].num_groups > max_groups:
+                    max_groups = refs[i].num_groups
+                continue
             if type(b) is SealedBody and (<SealedBody>b)._bytes is None:
                 (<SealedBody>b)._order()
                 refs[i] = body_ref(<SealedBody>b)
@@ -1129,6 +1365,10 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset,
                 raise TypeError(f"write_bodies: body {i} is not a sealed body or a contiguous "
                                 f"bytes-like object, got {type(b).__name__}") from None
             kinds[i] = 0
+        if max_groups >= 0:
+            hdr = <unsigned char*>malloc(4 + 8 * max_groups)
+            if hdr == NULL:
+                raise MemoryError()
         if sealed:
             spares = _spare_chunks.get(size)
             chunk = spares.pop() if spares else bytearray(size)
@@ -1158,6 +1398,12 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset,
                         break
                     pos += views[i].len
                     continue
+                if kinds[i] == 2:
+                    err = write_chunked(cfds, nfds, &refs[i], hdr)
+                    if err:
+                        break
+                    pos += refs[i].total
+                    continue
                 cursor_start(&c)
                 while True:
                     got = fill_body(&refs[i], chunk_ptr, size, &c)
@@ -1180,6 +1426,7 @@ cdef object _bodies_out(int* cfds, int nfds, bodies, list names, int64_t offset,
         free(views)
         free(refs)
         free(kinds)
+        free(hdr)
     if chunk is not None:
         spares = _spare_chunks.setdefault(size, [])
         if len(spares) < 4:
@@ -1201,8 +1448,8 @@ cdef inline bint _append_fast(ChangeBuffer buf, int32_t kg, const unsigned char*
     """The common case of a writer's append, inline (room in the arrays and the arena, the arena run
     going on, the buffer not busy): the stores of ChangeBuffer._add_raw without its call and checks.
     False, with nothing done, otherwise."""
-    if buf.busy or buf.n >= buf.cap or buf.arena_len + length > buf.arena_cap or length > INT32_MAX \
-            or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL:
+    if buf.busy or buf.n >= buf.cap or length > INT32_MAX or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL \
+            or buf.gpos[kg + 1] + 4 + length > buf.gend[kg + 1]:
         return False
     store_change(buf, kg, src, length)
     return True
