@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from conftest import expected_implementation
 from dstl import cli
 from dstl.app import pipeline
 from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
@@ -267,6 +268,7 @@ def test_demo_refuses_a_foreign_directory(capsys, tmp_path):
 
 @pytest.mark.s3
 @pytest.mark.slow
+@pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
 def test_local_cluster_against_s3(s3_bucket, tmp_path):
     """Two executor JVMs (local-cluster), each with its own Python workers, against moto's S3.
 
