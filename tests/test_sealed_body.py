@@ -207,14 +207,17 @@ def test_views_pickles_and_equality(impl):
     assert body == expected and len(body) == len(expected)
 
 
-def _bodies(impl, count, changes=50_000):
-    """`count` sealed bodies of 5 MB each (the default pre-emptive threshold), held alive."""
+def _bodies(impl, count, changes=50_000, joined=False):
+    """`count` sealed bodies of 5 MB each (the default pre-emptive threshold), held alive; `joined`:
+    an append_many joins each, so it keeps records (per-record bodies keep none)."""
     payload = bytes(100)
     out = []
     for _ in range(count):
         buf = impl.ChangeBuffer()
         for i in range(changes):
             buf.append(i % 128, payload)
+        if joined:
+            buf.append_many(np.array([7], np.int32), b"x", np.array([0, 1], np.int64))
         out.append(buf.seal_body())
     return out
 
@@ -222,22 +225,28 @@ def _bodies(impl, count, changes=50_000):
 def test_dropped_bodies_leave_their_memory_for_the_next_change_sets_within_a_bound(tmp_path):
     """A per-record loop runs ahead of its uploads: when the uploaded bodies are dropped, their arenas
     and record arrays are kept (up to 160 and 32 MiB) for the next change sets, which then reuse them
-    instead of faulting fresh pages in. A closing storage frees them."""
+    instead of faulting fresh pages in. A closing storage frees them. Per-record bodies have no
+    record arrays: their chunks are all they keep."""
     from dstl import open_storage, KeyGroupRange
     from dstl._fast import _buffer_py
     impl_buffer = fmt._buffer
     impl_buffer.release_spares()
     assert impl_buffer.spare_bytes() == 0
-    bodies = _bodies(fmt, 25)  # 25 arenas of 8 MiB and 25 record arrays of 1 MiB
+    bodies = _bodies(fmt, 25)  # 25 arenas of 8 MiB
     del bodies
     kept = impl_buffer.spare_bytes()
     if impl_buffer is _buffer_py:
         assert kept == 0  # the twin keeps nothing: Python's allocator reuses its memory
     else:
-        assert kept == (160 << 20) + (25 << 20)  # 20 of the arenas fill the pool; all the records fit
-        again = _bodies(fmt, 3)
+        assert kept == 160 << 20  # 20 of the arenas fill the pool
+        joined = _bodies(fmt, 4, joined=True)  # records for 50,000 changes, doubled for the 50,001st
+        del joined
+        assert impl_buffer.spare_bytes() - kept == 4 * 16 * 100_000  # the arenas found the pool full
+        kept = impl_buffer.spare_bytes()
+        again = _bodies(fmt, 3) + _bodies(fmt, 1, joined=True)
         assert impl_buffer.spare_bytes() < kept  # taken from the pool
-        assert b"".join(b.tobytes() for b in again) == b"".join(b.tobytes() for b in _bodies(_buffer_py, 3))
+        assert b"".join(b.tobytes() for b in again) == \
+            b"".join(b.tobytes() for b in _bodies(_buffer_py, 3) + _bodies(_buffer_py, 1, joined=True))
     with open_storage(str(tmp_path / "s"), upload_mode="direct") as storage:
         writer = storage.create_writer("w", KeyGroupRange(0, 127))
         for i in range(60_000):

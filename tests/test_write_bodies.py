@@ -198,8 +198,8 @@ def test_the_facade_picks_the_loaded_implementation():
 def _per_record_ops(shape: str, rng: random.Random) -> list:
     """Per-record appends: `dense` (128 groups, many 100-byte changes: several chunks a group, more
     than one writev of iovecs), `large` (changes above the largest chunk among small ones, metadata
-    and empty ones), `sparse` (thousands of groups of one small change) and `mixed` (appends, then an
-    append_many)."""
+    and empty ones), `sparse` (thousands of groups of one small change) and `mixed` (appends, an
+    append_many, appends)."""
     if shape == "dense":
         return [(i % 128, rng.randbytes(100)) for i in range(30_000)]
     if shape == "large":
@@ -211,10 +211,13 @@ def _per_record_ops(shape: str, rng: random.Random) -> list:
 
 
 def _fill_per_record(buf, shape: str, ops: list):
-    for kg, data in ops:
+    half = len(ops) // 2 if shape == "mixed" else len(ops)
+    for kg, data in ops[:half]:
         buf.append(kg, data)
-    if shape == "mixed":
+    if shape == "mixed":  # the Cython buffer reads the records of the changes so far from their chunks
         buf.append_many(np.array([3, 1], np.int32), b"abcde", np.array([0, 2, 5], np.int64))
+    for kg, data in ops[half:]:
+        buf.append(kg, data)
     return buf
 
 
@@ -224,7 +227,8 @@ def test_per_record_bodies_are_written_from_their_group_chunks(impl, shape, tmp_
     """Per-record appends copy each change as [length][payload] into its group's chunk, so the Cython
     file write takes the chunks as they are (writev) instead of laying the body out: the same bytes as
     the twin's seal, through every path, to every descriptor and at an offset. Many groups of a change
-    or two, or changes from append_many, are laid out record by record as before."""
+    or two, or changes from append_many, are laid out record by record as before: the Cython buffer
+    keeps no records for appends and reads them from the chunks then (and for seal/seal_into)."""
     ops = _per_record_ops(shape, random.Random(shape))
     expected = _fill_per_record(_buffer_py.ChangeBuffer(), shape, ops).seal()
     body = _fill_per_record(impl.ChangeBuffer(), shape, ops).seal_body()
@@ -244,7 +248,22 @@ def test_per_record_bodies_are_written_from_their_group_chunks(impl, shape, tmp_
     assert paths[0].read_bytes() == b"\xee" * 4 + expected + b"\xee" * 5
     pieces = []
     body.write_to(lambda v: pieces.append(bytes(v)), 4096)
-    assert b"".join(pieces) == expected and bytes(body) == expected
+    assert b"".join(pieces) == expected
+    if impl.name == "cython":  # the streamed write_to of a large body: its canonical order from the chunks
+        from dstl._fast import _buffer
+        streamed = _fill_per_record(impl.ChangeBuffer(), shape, ops).seal_body()
+        old = _buffer._set_scatter_max(-1)
+        try:
+            pieces = []
+            streamed.write_to(lambda v: pieces.append(bytes(v)), 4096)
+        finally:
+            _buffer._set_scatter_max(old)
+        assert b"".join(pieces) == expected
+    assert bytes(body) == expected
+    assert _fill_per_record(impl.ChangeBuffer(), shape, ops).seal() == expected
+    out = bytearray(len(expected) + 3)
+    assert _fill_per_record(impl.ChangeBuffer(), shape, ops).seal_into(out, 3) == len(expected)
+    assert out[3:] == expected
 
 @pytest.mark.skipif(CYTHON is None, reason="the chunked write is the Cython routine's")
 def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):

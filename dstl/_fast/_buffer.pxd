@@ -28,10 +28,15 @@ cdef class ChangeBuffer:
     cdef int64_t* chunks        # (slot, start, end) per chunk, in the order they were carved
     cdef int64_t nchunks, chunks_cap
     cdef int64_t ungrouped      # changes held outside chunks (append_many's)
+    # records (kgs/offs/lens) are kept only once something needs them: an append alone stores its
+    # change in its chunk and nothing else, and the records are read from the chunks when append_many
+    # joins, a seal lays the body out, or the chunks are left out (`_records`)
+    cdef bint records
 
     cdef int _reserve(self, int64_t records, int64_t nbytes) except -1
     cdef int _new_run(self, const unsigned char* base) except -1
     cdef int _new_chunk(self, int slot, int64_t length) except -1
+    cdef int _records(self) except -1
     cdef void _count(self, int slot, int64_t k) noexcept nogil
     cdef int _check_idle(self) except -1
     cdef int _add(self, int32_t kg, object data) except -1

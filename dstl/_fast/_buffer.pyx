@@ -192,7 +192,7 @@ cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src,
         self._check_idle()
     if length > INT32_MAX:
         raise ValueError(f"change data of {length} bytes exceeds the int32 length field")
-    if self.n >= self.cap or self.counts == NULL:
+    if self.counts == NULL or (self.records and self.n >= self.cap):
         self._reserve(1, 0)
     if self.nruns == 0 or self.run_ptr[self.nruns - 1] != NULL:
         self._new_run(NULL)
@@ -204,15 +204,16 @@ cdef inline int add_raw(ChangeBuffer self, int32_t kg, const unsigned char* src,
 
 cdef inline void store_change(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
     """The stores of one change whose room is made: [length][payload] at the end of its group's chunk,
-    its record, its count."""
+    its count, and its record if records are kept."""
     cdef int64_t p = buf.gpos[kg + 1]
     cdef int64_t next_p = p + 4 + length
     put_be32(buf.arena + p, <int32_t>length)
     memcpy(buf.arena + p + 4, src, length)
     buf.gpos[kg + 1] = next_p
-    buf.kgs[buf.n] = kg
-    buf.offs[buf.n] = p + 4
-    buf.lens[buf.n] = <int32_t>length
+    if buf.records:
+        buf.kgs[buf.n] = kg
+        buf.offs[buf.n] = p + 4
+        buf.lens[buf.n] = <int32_t>length
     buf.n += 1
     buf.payload += length
     buf._count(kg + 1, 1)
@@ -249,6 +250,7 @@ cdef class ChangeBuffer:
         self.chunks = NULL
         self.nchunks = self.chunks_cap = 0
         self.ungrouped = 0
+        self.records = False
 
     def __dealloc__(self):
         free(self.gpos)  # gend and gcur share its allocation
@@ -275,7 +277,7 @@ cdef class ChangeBuffer:
             self.gend = self.gpos + NSLOTS
             self.gcur = self.gpos + 2 * NSLOTS
         global nspare_records, nspare_arenas, spare_records_bytes, spare_arena_bytes
-        if self.cap == 0 and self.kgs == NULL and nspare_records:
+        if self.records and self.cap == 0 and self.kgs == NULL and nspare_records:
             nspare_records -= 1
             spare_records_bytes -= 16 * spare_cap[nspare_records]
             self.kgs = spare_kgs[nspare_records]
@@ -288,7 +290,7 @@ cdef class ChangeBuffer:
             self.arena = spare_arena[nspare_arenas]
             self.arena_cap = spare_arena_cap[nspare_arenas]
         want = self.n + records
-        if want > self.cap:
+        if self.records and want > self.cap:
             new_cap = self.cap * 2 if self.cap else 1024
             if new_cap < want:
                 new_cap = want
@@ -377,6 +379,34 @@ cdef class ChangeBuffer:
         self.arena_len += size
         return 0
 
+    cdef int _records(self) except -1:
+        """Keep records from now on, reading those of the changes held from their chunks: each
+        group's chunks, in the order they were carved, hold its changes in append order, which is
+        all a layout needs (groups are laid out one after another)."""
+        cdef int64_t k, i = 0, p, end, length
+        cdef int32_t kg
+        if self.records:
+            return 0
+        self.records = True
+        self._reserve(0, 0)  # arrays for the n changes held
+        for k in range(self.nchunks):
+            kg = <int32_t>self.chunks[3 * k] - 1
+            p = self.chunks[3 * k + 1]
+            end = self.chunks[3 * k + 2]
+            if end < 0:  # the group's open chunk ends where its next change would go
+                end = self.gpos[kg + 1]
+            while p < end and i < self.n:
+                length = (<int64_t>self.arena[p] << 24) | (self.arena[p + 1] << 16) | (self.arena[p + 2] << 8) \
+                    | self.arena[p + 3]
+                self.kgs[i] = kg
+                self.offs[i] = p + 4
+                self.lens[i] = <int32_t>length
+                p += 4 + length
+                i += 1
+        if i != self.n:  # a walk that disagrees with the count must not lay out a torn body
+            raise RuntimeError(f"ChangeBuffer: its chunks hold {i} changes, it holds {self.n}")
+        return 0
+
     cdef inline void _count(self, int slot, int64_t k) noexcept nogil:
         if self.counts[slot] == 0:
             self.num_groups += 1
@@ -446,6 +476,7 @@ cdef class ChangeBuffer:
         if m == 0:
             return
         self._check_idle()
+        self._records()
         first = o[0]
         nbytes = o[m] - first
         PyObject_GetBuffer(data_view, &view, PyBUF_SIMPLE)
@@ -510,6 +541,7 @@ cdef class ChangeBuffer:
         put_be32(dst, <int32_t>self.num_groups)
         if self.n == 0:
             return 0
+        self._records()
         span = self.max_slot - lo + 1
         cursor = <int64_t*>malloc(span * sizeof(int64_t))
         if cursor == NULL:
@@ -555,8 +587,8 @@ cdef class ChangeBuffer:
 
     def seal_body(self):
         """The canonical body as a `SealedBody`, without copying the payload: the body takes over the
-        buffer's records (and its references to immutable sources) and writes the bytes only when it
-        is streamed to a file (`write_to`). The buffer is empty afterwards."""
+        buffer's arena and its chunks or records (and its references to immutable sources) and writes
+        the bytes only when it is streamed to a file (`write_to`). The buffer is empty afterwards."""
         self._check_idle()
         cdef SealedBody body = SealedBody.__new__(SealedBody)
         cdef int64_t r, i, stop
@@ -574,22 +606,24 @@ cdef class ChangeBuffer:
                     body.groups[2 * g] = slot - 1
                     body.groups[2 * g + 1] = self.counts[slot]
                     g += 1
-            # offsets become absolute addresses: the records then no longer need their runs
-            for r in range(self.nruns):
-                base = <intptr_t>(self.run_ptr[r] if self.run_ptr[r] != NULL else self.arena)
-                stop = self.run_first[r + 1] if r + 1 < self.nruns else self.n
-                for i in range(self.run_first[r], stop):
-                    self.offs[i] += base
             if self.ungrouped == 0:
                 chunks_to(self, body)
-            body.kgs, body.offs, body.lens, body.arena = self.kgs, self.offs, self.lens, self.arena
-            body.cap, body.arena_cap = self.cap, self.arena_cap
+            if body.spans == NULL or self.records:
+                self._records()
+                # offsets become absolute addresses: the records then no longer need their runs
+                for r in range(self.nruns):
+                    base = <intptr_t>(self.run_ptr[r] if self.run_ptr[r] != NULL else self.arena)
+                    stop = self.run_first[r + 1] if r + 1 < self.nruns else self.n
+                    for i in range(self.run_first[r], stop):
+                        self.offs[i] += base
+                body.kgs, body.offs, body.lens, body.cap = self.kgs, self.offs, self.lens, self.cap
+                self.kgs = NULL
+                self.offs = NULL
+                self.lens = NULL
+                self.cap = 0
+            body.arena, body.arena_cap = self.arena, self.arena_cap
             body.sources = self.sources
-            self.kgs = NULL
-            self.offs = NULL
-            self.lens = NULL
             self.arena = NULL
-            self.cap = 0
             self.arena_cap = 0
         self.clear()
         return body
@@ -637,6 +671,7 @@ cdef class ChangeBuffer:
         self.nruns = 0
         self.nchunks = 0
         self.ungrouped = 0
+        self.records = False
         self.sources = []
         if self.arena_cap > KEEP_ARENA:  # do not pin a large arena in an idle buffer
             free(self.arena)
@@ -914,9 +949,11 @@ cdef class SealedBody:
         return self.spans != NULL
 
     cdef int _scatter(self, unsigned char* dst) except -1:
-        """Write the whole body into dst (see scatter_body)."""
+        """Write the whole body into dst (see scatter_body; a body with chunks copies them)."""
         cdef BodyRef ref = body_ref(self)
-        cdef int rc
+        cdef int rc = 0
+        if self.spans != NULL:
+            return self._gather_into(dst)
         with nogil:
             rc = scatter_body(&ref, dst)
         if rc:
@@ -951,6 +988,8 @@ cdef class SealedBody:
         cdef Rec* order
         if self.order != NULL or self.n == 0:
             return 0
+        if self.kgs == NULL:
+            return self._order_chunks()
         lo = self.groups[0]
         span = self.groups[2 * (self.num_groups - 1)] - lo + 1
         start = <int64_t*>malloc(span * sizeof(int64_t))
@@ -971,6 +1010,29 @@ cdef class SealedBody:
                 order[k].length = self.lens[i]
                 start[g] = k + 1
         free(start)
+        self.order = order
+        return 0
+
+    cdef int _order_chunks(self) except -1:
+        """The canonical order of a body that keeps no records: its chunks, in canonical order, hold
+        the changes as [length][payload]."""
+        cdef int64_t s, k = 0, p, end
+        cdef Rec* order = <Rec*>malloc(self.n * sizeof(Rec))
+        if order == NULL:
+            raise MemoryError()
+        with nogil:
+            for s in range(self.nspans):
+                p = self.spans[2 * s]
+                end = p + self.spans[2 * s + 1]
+                while p < end and k < self.n:
+                    order[k].length = (<int64_t>self.arena[p] << 24) | (self.arena[p + 1] << 16) \
+                        | (self.arena[p + 2] << 8) | self.arena[p + 3]
+                    order[k].src = self.arena + p + 4
+                    p += 4 + order[k].length
+                    k += 1
+        if k != self.n:
+            free(order)
+            raise RuntimeError(f"sealed body: its chunks hold {k} changes, it has {self.n}")
         self.order = order
         return 0
 
@@ -1093,7 +1155,7 @@ cdef int chunks_to(ChangeBuffer self, SealedBody body) except -1:
     (start, length) spans with a span count per group. Left out when they do not add up to the body,
     or are so small (many groups of a few changes) that a writev of them would cost more than a
     layout: the body is then laid out record by record, as one with append_many's changes is."""
-    cdef int64_t lo = self.min_slot, span = self.max_slot - self.min_slot + 1, i, k, g = 0, total, placed = 0
+    cdef int64_t lo = self.min_slot, span = self.max_slot - self.min_slot + 1, i, k, g = 0, total
     cdef int64_t* at
     cdef int64_t* spans
     cdef int64_t* gspans
@@ -1109,30 +1171,27 @@ cdef int chunks_to(ChangeBuffer self, SealedBody body) except -1:
         free(spans)
         free(gspans)
         raise MemoryError()
-    for i in range(self.nchunks):  # a chunk with nothing in it would be no span
-        if self.chunks[3 * i + 2] > self.chunks[3 * i + 1]:
-            at[self.chunks[3 * i] - lo + 1] += 1
+    for i in range(self.nchunks):  # every chunk holds a change: each is carved right before one is stored
+        at[self.chunks[3 * i] - lo + 1] += 1
     for i in range(span):
         at[i + 1] += at[i]
     total = 4 + 8 * self.num_groups
     for i in range(self.nchunks):
-        if self.chunks[3 * i + 2] > self.chunks[3 * i + 1]:
-            k = at[self.chunks[3 * i] - lo]
-            at[self.chunks[3 * i] - lo] = k + 1
-            spans[2 * k] = self.chunks[3 * i + 1]
-            spans[2 * k + 1] = self.chunks[3 * i + 2] - self.chunks[3 * i + 1]
-            total += spans[2 * k + 1]
-            placed += 1
+        k = at[self.chunks[3 * i] - lo]
+        at[self.chunks[3 * i] - lo] = k + 1
+        spans[2 * k] = self.chunks[3 * i + 1]
+        spans[2 * k + 1] = self.chunks[3 * i + 2] - self.chunks[3 * i + 1]
+        total += spans[2 * k + 1]
     for slot in range(self.min_slot, self.max_slot + 1):
         if self.counts[slot]:
             gspans[g] = at[slot - lo] - (at[slot - lo - 1] if slot > lo else 0)
             g += 1
     free(at)
-    if total != body.total or g != self.num_groups or total < SPAN_MIN * (placed + g + 1):
+    if total != body.total or g != self.num_groups or total < SPAN_MIN * (self.nchunks + g + 1):
         free(spans)
         free(gspans)
         return 0
-    body.spans, body.gspans, body.nspans = spans, gspans, placed
+    body.spans, body.gspans, body.nspans = spans, gspans, self.nchunks
     return 0
 
 
@@ -1448,7 +1507,7 @@ cdef inline bint _append_fast(ChangeBuffer buf, int32_t kg, const unsigned char*
     """The common case of a writer's append, inline (room in the arrays and the arena, the arena run
     going on, the buffer not busy): the stores of ChangeBuffer._add_raw without its call and checks.
     False, with nothing done, otherwise."""
-    if buf.busy or buf.n >= buf.cap or length > INT32_MAX or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL \
+    if buf.busy or (buf.records and buf.n >= buf.cap) or length > INT32_MAX or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL \
             or buf.gpos[kg + 1] + 4 + length > buf.gend[kg + 1]:
         return False
     store_change(buf, kg, src, length)
