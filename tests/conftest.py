@@ -36,6 +36,12 @@ def expected_implementation() -> str:
     return "python" if os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0") else "cython"
 
 
+# A heavy scenario (Spark end to end, or a benchmark harness: figures come from the Cython build) runs
+# once, under the Cython build, when a lighter test covers the same logic under the twins
+# (docs/contributing.md, "Tests"): `make test` stays within CI's time.
+heavy = pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+
+
 def pytest_report_header(config):
     import dstl
 

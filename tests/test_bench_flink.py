@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from conftest import heavy
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLINK_BENCH = os.path.join(REPO, "bench", "flink")
 RUNNER = os.path.join(FLINK_BENCH, "run.py")
@@ -178,6 +180,7 @@ def test_hot_path_summary_ratios_goals_and_the_unstable_flag(bench_modules, caps
     assert "CPU time of the write" in md
 
 
+@heavy
 def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     """The phase and floor measurements run on a real directory and storage, and clean up after."""
     bench_modules  # puts bench/flink on sys.path
@@ -217,6 +220,7 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     ("thread_mode_load.py", ["--changes", "20000", "--rounds", "1", "--burners", "1"],
      ["0 busy processes", "1 busy processes", "per record, process, switch 0.5 ms", "thread/process throughput"]),
 ])
+@heavy
 def test_the_side_measurements_run_on_a_small_workload(script, args, expect):
     """The scripts behind the per-call and thread-mode figures in docs/benchmarks.md run end to end
     (a small workload, real storages; thread_mode_load starts and kills its busy processes)."""

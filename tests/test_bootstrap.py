@@ -8,9 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import heavy
+
 pytestmark = pytest.mark.spark
 
 
+@heavy
 def test_bootstrap_then_a_run_equals_pandas(spark, tmp_path):
     from dstl.spark import CheckpointCoordinator, JobConflictError, JobSpec, StatefulJob, bootstrap_state
     from dstl.state import read_state_pandas

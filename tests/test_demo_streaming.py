@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from conftest import expected_implementation
+from conftest import heavy
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-@pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+@heavy
 def test_demo_streaming_kills_rescales_and_verifies(tmp_path):
     target = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=ROOT, PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")

@@ -11,6 +11,8 @@ import shutil
 import msgpack
 import pytest
 
+from conftest import heavy
+
 from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
 from dstl.state.metadata import (MAGIC, CheckpointMetadata, SubtaskState, base_of_metadata_file,
                                  list_checkpoints, read_checkpoint, write_checkpoint)
@@ -85,6 +87,7 @@ def _run(spark, *argv):
 
 
 @pytest.mark.spark
+@heavy
 def test_copied_base_path_resumes_after_the_original_is_deleted(spark, tmp_path):
     old, new = tmp_path / "old", tmp_path / "copy"
     first = _run(spark, *SMALL, "--base-path", str(old), "--stop-at", "1")

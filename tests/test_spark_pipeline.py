@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import expected_implementation
+from conftest import heavy
 from dstl import cli
 from dstl.app import pipeline
 from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
@@ -87,6 +87,7 @@ def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path, capsys):
     assert all((out / f"batch-{b:06d}" / "_SUCCESS").exists() for b in range(4))
 
 
+@heavy
 def test_task_failure_is_retried_without_duplicates(spark, tmp_path):
     base = str(tmp_path / "job")
     report = _run(spark, *SMALL, "--base-path", base, "--fail-at", "2", "--verify")
@@ -101,6 +102,7 @@ def test_task_failure_is_retried_without_duplicates(spark, tmp_path):
     assert _unreferenced_changelog_files(base, report.job_id) == []
 
 
+@heavy
 def test_rescale_2_to_4_to_1(spark, tmp_path, capsys):
     base = str(tmp_path / "job")
     events = ["--events", "9000", "--batches", "6", "--users", "400", "--items", "60",
@@ -118,6 +120,7 @@ def test_rescale_2_to_4_to_1(spark, tmp_path, capsys):
     assert "0 files (0 bytes) would delete" in _dstl_gc_would_delete(capsys, base)
 
 
+@heavy
 def test_spark_shuffle_routing_verifies(spark, tmp_path):
     """The generic path: key groups by a pandas UDF, Spark's shuffle routes rows to subtask tasks;
     a task of batch 1 crashes once and its retry re-reads the shuffle output."""
@@ -167,6 +170,7 @@ def test_input_parquet_with_int_keys(spark, tmp_path):
 
 
 @pytest.mark.s3
+@heavy
 def test_s3_base_path(spark, s3_bucket):
     base = f"{s3_bucket}/pipeline"
     report = _run(spark, "--events", "3000", "--batches", "3", "--users", "200", "--items", "40",
@@ -180,6 +184,7 @@ def test_s3_base_path(spark, s3_bucket):
     assert report.garbage_files == 0 and report.retained_files > 0
 
 
+@heavy
 def test_kill_then_resume(spark, tmp_path):
     """The driver is SIGKILLed after checkpoint 2 is written and before batch 1's output is committed."""
     base = tmp_path / "job"
@@ -268,7 +273,7 @@ def test_demo_refuses_a_foreign_directory(capsys, tmp_path):
 
 @pytest.mark.s3
 @pytest.mark.slow
-@pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+@heavy
 def test_local_cluster_against_s3(s3_bucket, tmp_path):
     """Two executor JVMs (local-cluster), each with its own Python workers, against moto's S3.
 

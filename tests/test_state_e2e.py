@@ -20,7 +20,7 @@ pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
 
-from conftest import expected_implementation  # noqa: E402
+from conftest import heavy  # noqa: E402
 from driver_util import run_driver  # noqa: E402
 
 import expiry_driver  # noqa: E402
@@ -67,6 +67,7 @@ def _check(spark, base, frames):
     assert got_fired == sorted(fired)  # each timer fired once, in the batch pandas says
 
 
+@heavy
 def test_crashes_rescales_and_ttl_then_read_state_equals_pandas(spark, tmp_path):
     from dstl.spark import faults
     from dstl.state.rescale import rescale_checkpoint
@@ -96,7 +97,7 @@ def test_crashes_rescales_and_ttl_then_read_state_equals_pandas(spark, tmp_path)
     _check(spark, base, frames)
 
 
-@pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+@heavy
 def test_sigkilled_driver_rescaled_then_read_state_and_timers_equal_pandas(spark, tmp_path):
     from dstl.state.rescale import rescale_checkpoint
 

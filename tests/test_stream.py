@@ -8,6 +8,8 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import heavy
+
 pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
@@ -57,6 +59,7 @@ def _sdf(spark, pdf):
     return spark.createDataFrame(pdf, "user string, v long")
 
 
+@heavy
 def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp_path):
     base = str(tmp_path / "job")
     batches = [(b, _batch(b)) for b in range(5)]
@@ -248,6 +251,7 @@ class Sessions(StatefulProcessor):
         pass
 
 
+@heavy
 def test_event_time_sessions_watermark_and_late_rows(spark, tmp_path):
     base = str(tmp_path / "job")
 
@@ -305,6 +309,7 @@ def test_friction_null_keys_conflicts_and_errors(spark, tmp_path):
         StatefulStream(str(tmp_path / "j3"), Counting(), OUT, key="user", parallelism=1)(_sdf(spark, pdf), 3)
 
 
+@heavy
 def test_vectorised_function_and_initial_state(spark, tmp_path):
     """The vectorised contract fn(rows, state) and handleInitialState from initial_state=."""
     base = str(tmp_path / "vec")

@@ -12,6 +12,8 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import heavy
+
 pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
@@ -41,6 +43,7 @@ def _counts(frames) -> dict:
     return pd.concat(frames).groupby("user").size().to_dict()
 
 
+@heavy
 def test_resume_from_rolls_back_and_redoes_later_batches_once(spark, tmp_path):
     from dstl.state import read_state_pandas
 
@@ -143,6 +146,7 @@ def test_bootstrapped_job_continues_with_batch_0_and_ids_map_through_spark_batch
     assert last == {u: expected[u] for u in pd.concat(batches).user.unique()}
 
 
+@heavy
 def test_rolled_back_stream_and_rewound_query_redo_the_later_batches(spark, tmp_path):
     """A real file-stream query: 4 batches, roll the job back to batch 1's checkpoint, rewind the
     query's checkpoint location to batch 1, restart: batches 2 and 3 are read from their files again,

@@ -12,6 +12,8 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import heavy
+
 pytest.importorskip("pyspark")
 
 from pyspark import cloudpickle  # noqa: E402
@@ -117,6 +119,7 @@ def _snapshot_kinds(base):
 
 
 @pytest.mark.parametrize("layout", ["log", "materialized"])
+@heavy
 def test_resume_with_an_evolved_schema_converts_old_values(spark, tmp_path, layout):
     base = str(tmp_path / "job")
     every = None if layout == "log" else 1
