@@ -295,3 +295,50 @@ def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):
     assert out.stdout.split() == [str(errno.EFBIG)]
     got, whole = (tmp_path / "f").read_bytes(), (tmp_path / "whole").read_bytes()
     assert len(got) == 1_000_003 and got == whole[:1_000_003]
+
+
+@pytest.mark.skipif(CYTHON is None, reason="the records read from the chunks are the Cython buffer's")
+def test_a_buffer_that_runs_out_of_memory_reading_its_records_keeps_every_change():
+    """Appends keep no records; a seal laid out change by change, or an append_many, needs them.
+    When their arrays cannot be had (an address-space limit, in a subprocess), the call raises
+    MemoryError and the buffer is as it was: raise the limit, and it seals every change, the same
+    bytes as the twin."""
+    import subprocess
+    import sys
+    script = (
+        "import resource, sys\n"
+        "import numpy as np\n"
+        "from dstl._fast import _buffer, _buffer_py\n"
+        "ops = [(g % 5000, bytes([g % 251]) * 10) for g in range(1_500_000)]  # sparse: laid out by records\n"
+        "def fill(buf):\n"
+        "    for kg, data in ops:\n"
+        "        buf.append(kg, data)\n"
+        "    return buf\n"
+        "many = (np.array([3], np.int32), b'xyz', np.array([0, 3], np.int64))\n"
+        "expected = fill(_buffer_py.ChangeBuffer()).seal()\n"
+        "twin = fill(_buffer_py.ChangeBuffer())\n"
+        "twin.append_many(*many)\n"
+        "expected_many = twin.seal()\n"
+        "del twin\n"
+        "bufs = [fill(_buffer.ChangeBuffer()), fill(_buffer.ChangeBuffer())]\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 20), hard))  # records need 24 MB\n"
+        "for call in (bufs[0].seal_body, lambda: bufs[1].append_many(*many)):\n"
+        "    try:\n"
+        "        call()\n"
+        "        print('no error')\n"
+        "    except MemoryError:\n"
+        "        print('MemoryError')\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (soft, hard))\n"
+        "print(len(bufs[0]), len(bufs[1]))\n"
+        "print(bufs[0].seal_body().tobytes() == expected)\n"
+        "bufs[1].append_many(*many)\n"
+        "print(bufs[1].seal() == expected_many)\n"
+    )
+    # a fixed mmap threshold: the record arrays are fresh mappings, which the limit refuses (else
+    # malloc may hand out memory the twin freed)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["MemoryError", "MemoryError", "1500000", "1500000", "True", "True"], out.stdout

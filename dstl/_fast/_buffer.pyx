@@ -225,6 +225,14 @@ cdef inline void store_change(ChangeBuffer buf, int32_t kg, const unsigned char*
         DSTL_PREFETCH_W(buf.arena + next_p + 128)
 
 
+cdef inline int64_t chunk_end(ChangeBuffer buf, int64_t k) noexcept:
+    """Where chunk k's changes end: a group's open chunk (end -1) ends where its next change would
+    go. Left open until a later chunk of the group is carved, so sealing changes nothing in the
+    buffer (a failed seal leaves it as it was)."""
+    cdef int64_t end = buf.chunks[3 * k + 2]
+    return end if end >= 0 else buf.gpos[buf.chunks[3 * k]]
+
+
 cdef class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 
@@ -387,14 +395,16 @@ cdef class ChangeBuffer:
         cdef int32_t kg
         if self.records:
             return 0
-        self.records = True
-        self._reserve(0, 0)  # arrays for the n changes held
+        self.records = True  # _reserve sizes record arrays only then
+        try:
+            self._reserve(0, 0)  # arrays for the n changes held
+        except BaseException:
+            self.records = False  # the arrays hold nothing yet: a later call starts over
+            raise
         for k in range(self.nchunks):
             kg = <int32_t>self.chunks[3 * k] - 1
             p = self.chunks[3 * k + 1]
-            end = self.chunks[3 * k + 2]
-            if end < 0:  # the group's open chunk ends where its next change would go
-                end = self.gpos[kg + 1]
+            end = chunk_end(self, k)
             while p < end and i < self.n:
                 length = (<int64_t>self.arena[p] << 24) | (self.arena[p + 1] << 16) | (self.arena[p + 2] << 8) \
                     | self.arena[p + 3]
@@ -404,6 +414,7 @@ cdef class ChangeBuffer:
                 p += 4 + length
                 i += 1
         if i != self.n:  # a walk that disagrees with the count must not lay out a torn body
+            self.records = False
             raise RuntimeError(f"ChangeBuffer: its chunks hold {i} changes, it holds {self.n}")
         return 0
 
@@ -1160,9 +1171,6 @@ cdef int chunks_to(ChangeBuffer self, SealedBody body) except -1:
     cdef int64_t* spans
     cdef int64_t* gspans
     cdef int slot
-    for slot in range(self.min_slot, self.max_slot + 1):  # close each group's open chunk
-        if self.gend[slot]:
-            self.chunks[3 * self.gcur[slot] + 2] = self.gpos[slot]
     at = <int64_t*>calloc(span + 1, sizeof(int64_t))
     spans = <int64_t*>malloc((2 * self.nchunks + 1) * sizeof(int64_t))
     gspans = <int64_t*>calloc(self.num_groups + 1, sizeof(int64_t))
@@ -1180,7 +1188,7 @@ cdef int chunks_to(ChangeBuffer self, SealedBody body) except -1:
         k = at[self.chunks[3 * i] - lo]
         at[self.chunks[3 * i] - lo] = k + 1
         spans[2 * k] = self.chunks[3 * i + 1]
-        spans[2 * k + 1] = self.chunks[3 * i + 2] - self.chunks[3 * i + 1]
+        spans[2 * k + 1] = chunk_end(self, i) - self.chunks[3 * i + 1]
         total += spans[2 * k + 1]
     for slot in range(self.min_slot, self.max_slot + 1):
         if self.counts[slot]:
