@@ -1340,8 +1340,8 @@ def write_bodies(fds, bodies):
     interpreter only before and after the file's bytes. A sealed body with its groups' chunks is
     written from them with writev; another is produced in canonical order one L2-sized piece at a
     time and each piece written while it is still in the cache, so that two upload threads scale on
-    two cores (a whole-body layout first makes them contend for the shared cache and memory). Returns the bytes written to each fd; OSError (with the byte offset reached)
-    if a write fails."""
+    two cores (a whole-body layout first makes them contend for the shared cache and memory).
+    Returns the bytes written to each fd; OSError (with the byte offset reached) if a write fails."""
     cdef int cfds[MAX_FDS]
     cdef int nfds = 0
     for fd in fds:
@@ -1512,11 +1512,11 @@ from dstl.errors import WriterClosedError
 
 
 cdef inline bint _append_fast(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
-    """The common case of a writer's append, inline (room in the arrays and the arena, the arena run
-    going on, the buffer not busy): the stores of ChangeBuffer._add_raw without its call and checks.
-    False, with nothing done, otherwise."""
-    if buf.busy or (buf.records and buf.n >= buf.cap) or length > INT32_MAX or not buf.nruns or buf.run_ptr[buf.nruns - 1] != NULL \
-            or buf.gpos[kg + 1] + 4 + length > buf.gend[kg + 1]:
+    """The common case of a writer's append, inline (room in its group's chunk and, when records are
+    kept, in their arrays; the arena run going on; the buffer not busy): the stores of
+    ChangeBuffer._add_raw without its call and checks. False, with nothing done, otherwise."""
+    if buf.busy or (buf.records and buf.n >= buf.cap) or length > INT32_MAX or not buf.nruns \
+            or buf.run_ptr[buf.nruns - 1] != NULL or buf.gpos[kg + 1] + 4 + length > buf.gend[kg + 1]:
         return False
     store_change(buf, kg, src, length)
     return True
