@@ -260,6 +260,21 @@ def test_truncate_releases_uploaded_files(make_storage):
         w.truncate(5)
 
 
+def test_truncate_never_moves_lowest_back(make_storage):
+    """Flink sets `lowest = to` even below an earlier truncation; a persist from the dropped range
+    then waits forever for change sets that are gone. dstl keeps the highest truncation (found by
+    test_writer_hotpath's random sequences)."""
+    w = make_storage().create_writer("op", KGR)
+    w.append_meta(b"")
+    assert int(w.next_sequence_number()) == 1
+    w.truncate(1)  # drops set 0
+    w.truncate(0)
+    assert int(w.lowest_sequence_number) == 1
+    with pytest.raises(ValueError, match="already truncated"):
+        w.persist(0, 1)
+    assert result(w.persist(1, 1)).handles_and_offsets == []
+
+
 def test_confirmed_files_are_never_deleted_by_the_writer(make_storage):
     s = make_storage()
     w = s.create_writer("op", KGR)

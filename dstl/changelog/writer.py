@@ -311,12 +311,14 @@ class FsStateChangelogWriter(WriterCore):
         return out
 
     def truncate(self, to_sqn) -> None:
-        """Forget change sets below `to_sqn`: nothing before it will be persisted again."""
+        """Forget change sets below `to_sqn`: nothing before it will be persisted again. `lowest` never
+        moves back (docs/semantics.md §12): the change sets below it are gone, and a persist from
+        there would wait for them forever."""
         to = int(as_sqn(to_sqn))
         with self._lock:
             if to > self._active:
                 raise ValueError(f"cannot truncate to {to}: not yet appended (active is {self._active})")
-            self._lowest = to
+            self._lowest = max(self._lowest, to)
             for sqn in [s for s in self._not_uploaded if s < to]:
                 del self._not_uploaded[sqn]
             release = self._pop_uploaded([s for s in self._uploaded if s < to])
