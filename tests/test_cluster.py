@@ -16,10 +16,9 @@ import pytest
 
 from cluster_util import StandaloneCluster, free_port, read_progress, run_stream_driver, running_tasks
 from eventlog_util import batch_stages, overlapping, successful
-from conftest import expected_implementation
+from conftest import heavy
 
-pytestmark = pytest.mark.skipif(expected_implementation() == "python",
-                                reason="heavy: runs once, under the Cython build")
+pytestmark = heavy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -11,16 +11,14 @@ import json
 import os
 
 import pandas as pd
-import pytest
 
-from conftest import expected_implementation
+from conftest import heavy
 from dstl import cli
 from driver_util import run_driver
 from eventlog_util import batch_stages, overlapping, successful
 from streaming_util import make_batches, normalize, read_output, reference_counts
 
-pytestmark = pytest.mark.skipif(expected_implementation() == "python",
-                                reason="heavy: runs once, under the Cython build")
+pytestmark = heavy
 
 EVENTS, KEYS = 400, 60
 COLUMNS = ["batch_id", "user", "events", "value_sum", "batches", "kinds", "top_kind_events"]

@@ -10,13 +10,11 @@ import os
 import signal
 
 import pandas as pd
-import pytest
 
-from conftest import expected_implementation
+from conftest import heavy
 from driver_util import run_driver
 
-pytestmark = pytest.mark.skipif(expected_implementation() == "python",
-                                reason="heavy: runs once, under the Cython build")
+pytestmark = heavy
 
 
 

@@ -72,6 +72,11 @@ cdef inline void put_be32(unsigned char* p, int32_t value) noexcept nogil:
     p[3] = <unsigned char>v
 
 
+cdef inline int64_t get_be32(const unsigned char* p) noexcept nogil:
+    """A chunk's length field (written by put_be32, never negative)."""
+    return (<int64_t>p[0] << 24) | (p[1] << 16) | (p[2] << 8) | p[3]
+
+
 cdef enum:
     SPARE_RECORDS = 32      # record arrays / arenas of sealed bodies kept for the next change sets
     SPARE_ARENAS = 32
@@ -406,8 +411,7 @@ cdef class ChangeBuffer:
             p = self.chunks[3 * k + 1]
             end = chunk_end(self, k)
             while p < end and i < self.n:
-                length = (<int64_t>self.arena[p] << 24) | (self.arena[p + 1] << 16) | (self.arena[p + 2] << 8) \
-                    | self.arena[p + 3]
+                length = get_be32(self.arena + p)
                 self.kgs[i] = kg
                 self.offs[i] = p + 4
                 self.lens[i] = <int32_t>length
@@ -1036,8 +1040,7 @@ cdef class SealedBody:
                 p = self.spans[2 * s]
                 end = p + self.spans[2 * s + 1]
                 while p < end and k < self.n:
-                    order[k].length = (<int64_t>self.arena[p] << 24) | (self.arena[p + 1] << 16) \
-                        | (self.arena[p + 2] << 8) | self.arena[p + 3]
+                    order[k].length = get_be32(self.arena + p)
                     order[k].src = self.arena + p + 4
                     p += 4 + order[k].length
                     k += 1
