@@ -2,10 +2,11 @@
 clock (batch b runs at ``T0 + STEP * b``), for the state-as-data end-to-end tests; and the same
 job's expected live state, timers and fired timers computed with pandas.
 
-    python expiry_driver.py BASE INPUT_DIR SPARK_CHECKPOINT PARALLELISM
+    python expiry_driver.py BASE INPUT_DIR SPARK_CHECKPOINT PARALLELISM SINK_LOG
 
 runs a JSON file stream (one file per micro-batch, `availableNow`) through it, then exits 0; faults
-come from DSTL_FAULTS (dstl.spark.faults), e.g. ``stream.after_checkpoint@2=kill``.
+come from DSTL_FAULTS (dstl.spark.faults), e.g. ``stream.after_checkpoint@2=kill``. The sink appends
+`batch_id rows` to SINK_LOG once per call.
 """
 from __future__ import annotations
 
@@ -73,13 +74,18 @@ def batches(seed: int = 3) -> List[pd.DataFrame]:
     return out
 
 
-def expected(frames: List[pd.DataFrame]) -> Tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, List[Tuple[int, str, int]]]:
+Row = Tuple[int, str, int, int]
+
+
+def expected(frames: List[pd.DataFrame]) -> Tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame,
+                                                 List[Tuple[int, str, int]], List[Row]]:
     """(live totals, live hits, registered timers, fired timers as (batch, user, expiry)) after all
-    batches, judged at the last batch's time, computed with pandas over the input."""
+    batches, judged at the last batch's time, and the input rows' output as (batch, user, total,
+    hits), computed with pandas over the input."""
     total: Dict[str, Tuple[int, int]] = {}   # user -> (value, written at)
     hits: Dict[str, Dict[str, int]] = {}
     timer: Dict[str, int] = {}
-    fired = []
+    fired, rows = [], []
     for b, pdf in enumerate(frames):
         now = batch_time(b)
         sums = pdf.groupby("user")["v"].sum()
@@ -91,6 +97,7 @@ def expected(frames: List[pd.DataFrame]) -> Tuple[pd.DataFrame, pd.DataFrame, pd
             for p, c in parity[user].items():
                 hits.setdefault(user, {})[p] = hits.get(user, {}).get(p, 0) + int(c)
             timer[user] = now + TIMER_MS
+            rows.append((b, user, total[user][0], sum(hits[user].values())))
         for user, ts in sorted(timer.items(), key=lambda kv: (kv[1], kv[0])):
             if ts <= now:
                 fired.append((b, user, ts))
@@ -101,7 +108,7 @@ def expected(frames: List[pd.DataFrame]) -> Tuple[pd.DataFrame, pd.DataFrame, pd
     h = pd.DataFrame([(u, p, c) for u, m in hits.items() for p, c in m.items()], columns=["key", "parity", "c"])
     t = pd.DataFrame(sorted(timer.items()), columns=["key", "timestamp_ms"])
     return (live.sort_values("key").reset_index(drop=True), h.sort_values(["key", "parity"]).reset_index(drop=True),
-            t, fired)
+            t, fired, rows)
 
 
 def write_inputs(directory: str, frames: List[pd.DataFrame]) -> None:
@@ -126,12 +133,18 @@ def make_stream(base: str, parallelism: int, **kw):
 
 
 def main(argv) -> int:
-    base, input_dir, ckpt, parallelism = argv
+    base, input_dir, ckpt, parallelism, sink_log = argv
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from streaming_util import drain_file_stream, driver_session
 
     spark = driver_session("dstl-expiry-driver")
-    drain_file_stream(spark, make_stream(base, int(parallelism)), INPUT_SCHEMA, input_dir, ckpt)
+
+    def sink(df, batch_id):
+        n = df.count()
+        with open(sink_log, "a") as f:
+            f.write(f"{batch_id} {n}\n")
+
+    drain_file_stream(spark, make_stream(base, int(parallelism), sink=sink), INPUT_SCHEMA, input_dir, ckpt)
     return 0
 
 

@@ -1,21 +1,10 @@
-"""A Structured Streaming driver for the SIGKILL tests: a JSON file stream through StatefulStream.
-
-    python stream_driver.py BASE INPUT_DIR SPARK_CHECKPOINT PARALLELISM SINK_LOG
-
-Processes every file in INPUT_DIR (one file per micro-batch, `availableNow`), then exits 0. Faults
-come from DSTL_FAULTS (dstl.spark.faults), e.g. ``stream.after_checkpoint@1=kill``. The sink appends
-one line per call to SINK_LOG. `Counting` is also the light tests' processor.
-"""
+"""`Counting`, the StatefulProcessor of the in-process stream tests (value, list and map state)."""
 from __future__ import annotations
-
-import os
-import sys
 
 import pandas as pd
 from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
 OUT = "user string, n long, items long, buckets long, evens long"
-INPUT_SCHEMA = "user string, v long"
 
 
 class Counting(StatefulProcessor):
@@ -43,24 +32,3 @@ class Counting(StatefulProcessor):
     def close(self):
         pass
 
-
-def main(argv) -> int:
-    base, input_dir, ckpt, parallelism, sink_log = argv
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from dstl.spark import StatefulStream
-    from streaming_util import drain_file_stream, driver_session
-
-    spark = driver_session("dstl-stream-driver")
-
-    def sink(df, batch_id):
-        n = df.count()
-        with open(sink_log, "a") as f:
-            f.write(f"{batch_id} {n}\n")
-
-    stream = StatefulStream(base, Counting(), OUT, key="user", parallelism=int(parallelism), sink=sink)
-    drain_file_stream(spark, stream, INPUT_SCHEMA, input_dir, ckpt)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from dstl.changelog.handles import StreamStateHandle
+from dstl.changelog import registry
 from dstl.changelog.registry import LocalChangelogRegistry, TaskChangelogRegistry
 
 
@@ -66,7 +67,13 @@ def test_release_by_an_equal_handle_object(tmp_path):
     assert not p.exists()
 
 
-def test_deletion_runs_on_the_discard_pool_and_errors_are_logged(tmp_path, caplog):
+@pytest.fixture
+def short_retries(monkeypatch):
+    """The retry schedule's shape (4 retries), not its 8.5 s of waiting."""
+    monkeypatch.setattr(registry, "DELETE_RETRY_DELAYS_S", (0.001, 0.004, 0.016, 0.064))
+
+
+def test_deletion_runs_on_the_discard_pool_and_errors_are_logged(tmp_path, caplog, short_retries):
     h, _ = _file(tmp_path, "a")
     started, proceed = threading.Event(), threading.Event()
     threads = []
@@ -88,7 +95,7 @@ def test_deletion_runs_on_the_discard_pool_and_errors_are_logged(tmp_path, caplo
     assert threads and threads[0] != threading.current_thread().name and "dstl-discard" in threads[0]
 
 
-def test_default_discard_logs_failures(tmp_path, caplog):
+def test_default_discard_logs_failures(tmp_path, caplog, short_retries):
     class Broken(StreamStateHandle):
         def discard_state(self):
             raise PermissionError("read-only")
@@ -100,6 +107,7 @@ def test_default_discard_logs_failures(tmp_path, caplog):
         reg.release(h)
         reg.close()
     assert "could not delete" in caplog.text
+    assert "after 5 attempts" in caplog.text  # the first try and every retry of the schedule
 
 
 def test_release_after_close_still_deletes(tmp_path):

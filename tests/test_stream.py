@@ -102,9 +102,10 @@ def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp
 
 
 def test_exactly_once_across_crashes_at_the_two_worst_moments(spark, tmp_path):
-    """In-process crashes (the SIGKILL version runs in test_stream_kill.py): after the checkpoint is
-    durable and before the sink; after the sink and before Spark commits. Each restart is a new
-    StatefulStream (a new driver) at another parallelism, and Spark replays the batch id."""
+    """In-process crashes (the SIGKILL version, with timers and TTL, is in test_state_e2e.py): after
+    the checkpoint is durable and before the sink; after the sink and before Spark commits. Each
+    restart is a new StatefulStream (a new driver) at another parallelism, and Spark replays the
+    batch id."""
     base = str(tmp_path / "job")
     batches = [(b, _batch(b)) for b in range(4)]
     calls = []

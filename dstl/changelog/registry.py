@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from dstl.changelog.handles import StreamStateHandle
 
@@ -29,12 +29,12 @@ class _Discarder:
     the calling thread. `failures` counts failed deletion attempts (metric `numberOfDeleteFailures`)."""
 
     def __init__(self, num_threads: int, name: str, discard: Callable[[StreamStateHandle], None],
-                 retry_delays_s=DELETE_RETRY_DELAYS_S):
+                 retry_delays_s: Optional[Sequence[float]] = None):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"discard_num_threads must be an int >= 1, got {num_threads!r}")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=name)
         self._discard = discard
-        self._delays = tuple(retry_delays_s)
+        self._delays = tuple(DELETE_RETRY_DELAYS_S if retry_delays_s is None else retry_delays_s)
         self._pending: Set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
