@@ -94,7 +94,7 @@ def test_string_hash_wraps_like_java():
 
 
 @pytest.mark.parametrize("key", [True, False, np.bool_(True), 1.0, None, (1,), [1], {"a": 1}, object()],
-                         ids=repr)
+                         ids=lambda k: type(k).__name__ if type(k) is object else repr(k))  # stable ids
 def test_unsupported_key_types_raise_type_error(key):
     with pytest.raises(TypeError):
         kg.java_hash_code(key)
@@ -355,7 +355,8 @@ def test_row_boundary_inside_a_character_is_invalid():
 
 @pytest.mark.parametrize("column", [np.array([True, False]), pd.Series([True]), pa.array([True]),
                                     np.array([1.5]), pd.Series([1.0]), pa.array([1.0]),
-                                    pd.Series([1.0], dtype="Float64")], ids=repr)
+                                    pd.Series([1.0], dtype="Float64")],
+                         ids=lambda c: f"{type(c).__name__}-{getattr(c, 'dtype', None) or c.type}")  # stable ids
 def test_bool_and_float_columns_raise_type_error(column):
     with pytest.raises(TypeError):
         kg.assign_key_groups(column, 128)
