@@ -3,9 +3,9 @@ from pyspark's own bin/spark-class on 127.0.0.1, state on moto's S3 server.
 
 One run (about 3 minutes on an idle machine): the stream at parallelism 2 while a worker JVM and its
 executor JVM are SIGKILLed as the executor runs a task (a new worker is started), then the same
-query restarted at parallelism 4. Checked: every output row
-exact, P tasks per batch in the event log, running at overlapping times, the warm rate once the
-cluster is stable, and nothing for `dstl gc` to delete. Heavy: runs once, under the Cython build
+query restarted at parallelism 4. Checked: every output row exact, P tasks per batch in the event
+log, running at overlapping times, the lost subtask moving once and staying, every subtask restoring
+at the rescale, the warm rate once the cluster is stable, and nothing for `dstl gc` to delete. Heavy: runs once, under the Cython build
 (tests/test_stream.py covers the same protocol in-process under both implementations).
 """
 from __future__ import annotations
@@ -114,8 +114,8 @@ def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tm
             os.makedirs(log_dir)
             event_logs.append(log_dir)
             env = driver_env
-            if phase == 0:  # batch KILL_AT's tasks stall (once each), so the kill surely hits a running one
-                env = dict(driver_env, DSTL_FAULTS=",".join(
+            if phase == 0:  # batch KILL_AT's tasks stall (once each, 10 s), so the kill surely hits a running one
+                env = dict(driver_env, DSTL_FAULTS_STALL_S="10", DSTL_FAULTS=",".join(
                     f"task.mid_batch@{KILL_AT}/{s}=stall:once={tmp_path / f'stalled-{s}'}" for s in range(parallelism)))
             run_stream_driver(env, dict(conf, **{"spark.eventLog.dir": "file://" + log_dir}),
                               ["--base", base, "--input", inputs, "--checkpoint", ckpt,
@@ -153,6 +153,16 @@ def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tm
         p = e["parallelism"]
         assert sorted(successful(stages[e["batch"]])) == list(range(p)), (e["batch"], stages[e["batch"]])
         assert sorted(r["subtask"] for r in e["reports"]) == list(range(p))
+    # the lost executor's subtask moved once (its retry restored the state) and stayed on its new
+    # executor; the other subtask never restored
+    by_batch = {e["batch"]: {r["subtask"]: r for r in e["reports"]} for e in done_entries}
+    [(moved, r)] = [(s, r) for s, r in by_batch[KILL_AT].items() if r["attempt"] >= 1]
+    assert r["restored"] and r["executor"] != str(lost), r
+    for b in range(KILL_AT + 1, PHASES[0][1]):
+        assert by_batch[b][moved]["executor"] == r["executor"] and by_batch[b][moved]["continued"], by_batch[b]
+    assert not any(by_batch[b][1 - moved]["restored"] for b in range(1, PHASES[0][1])), by_batch
+    # the rescale restores every subtask once, in the new query's first batch
+    assert all(r["restored"] for r in by_batch[PHASES[0][1]].values())
     # warm rate on a stable cluster: phase 2, after its first batch
     parallelism, n = PHASES[1]
     stable = done_entries[-(n - 1):]

@@ -100,16 +100,17 @@ def test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker(
 
 
 def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_is_lost(tmp_path):
-    """local-cluster[2,1,1024]: two executor JVMs with one core each. P=2 for 6 batches, the executor
-    of subtask 0 SIGKILLed half-way through batch 3; then the job resumes at P=4 for 6 more."""
+    """local-cluster[2,1,1024]: two executor JVMs with one core each. P=2 for 8 batches, the executor
+    of subtask 0 SIGKILLed half-way through batch 3. (The rescale to P=4 on a cluster, and its warm
+    rate, are tests/test_cluster.py's.)"""
     base = str(tmp_path / "job")
     marker = str(tmp_path / "fired")
     cluster = "local-cluster[2,1,1024]"
     # docs/spark.md recommends a locality wait above the longest task: on this loaded 2-core machine
-    # a restore-heavy batch (the rescale) can outlast the default 3 s, and an idle executor then takes
-    # a subtask for one batch
+    # a restore-heavy batch can outlast the default 3 s, and an idle executor then takes a subtask
+    # for one batch
     wait = ["spark.locality.wait=30s"]
-    first, stages1, out1 = _drive(tmp_path, "p2", cluster, 2, 6, base, conf=wait,
+    first, stages1, out1 = _drive(tmp_path, "p2", cluster, 2, 8, base, conf=wait,
                                   faults=f"task.mid_batch@3/0=kill-executor:once={marker}")
     _check_stages(first, stages1, 2)
     execs = [[rep["executor"] for rep in r["reports"]] for r in first]
@@ -124,13 +125,8 @@ def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_i
     [moved] = [rep for rep in first[3]["reports"] if rep["subtask"] == 0]
     assert moved["attempt"] >= 1 and moved["restored"] and moved["executor"] != lost
     assert first[3]["placement"]["moved"] >= 1 and 0 in first[3]["placement"]["moved_subtasks"]
-    assert execs[3][0] == execs[4][0] == execs[5][0]
-
-    second, stages2, _ = _drive(tmp_path, "p4", cluster, 4, 12, base, first=6, conf=wait)
-    _check_stages(second, stages2, 4)
-    assert all(overlapping(stages2[b]) for b in range(6, 12))
-    assert second[0]["placement"]["restored"] == 4  # a rescale restores every subtask
-    # warm continuations after the first batch of each run, the lost executor's batch aside
-    warm, total = _warm(first[1:3] + first[4:] + second[1:])
+    assert len({e[0] for e in execs[3:]}) == 1, execs
+    # warm continuations after the first batch, the lost executor's batch aside
+    warm, total = _warm(first[1:3] + first[4:])
     assert warm >= 0.9 * total, (warm, total, execs)
-    _check_exact(base, 12)
+    _check_exact(base, 8)
