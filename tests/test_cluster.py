@@ -5,8 +5,9 @@ One run (about 3 minutes on an idle machine): the stream at parallelism 2 while 
 executor JVM are SIGKILLed as the executor runs a task (a new worker is started), then the same
 query restarted at parallelism 4. Checked: every output row exact, P tasks per batch in the event
 log, running at overlapping times, the lost subtask moving once and staying, every subtask restoring
-at the rescale, the warm rate once the cluster is stable, and nothing for `dstl gc` to delete. Heavy: runs once, under the Cython build
-(tests/test_stream.py covers the same protocol in-process under both implementations).
+at the rescale, the warm rate once the cluster is stable, and nothing for `dstl gc` to delete.
+Heavy: runs once, under the Cython build (tests/test_stream.py covers the same protocol in-process
+under both implementations).
 """
 from __future__ import annotations
 
