@@ -1,4 +1,4 @@
-"""The issue-2 format workload shared by bench_format.py and format_report.py.
+"""The format workload of format_report.py.
 
 1,000,000 changes of 100 bytes over key groups 0..127 (uniformly random, seeded); the operations
 are given both implementations side by side (`implementations()`), not through the facade.

@@ -1,4 +1,4 @@
-"""Benchmark inputs for key-group assignment (shared by bench_keygroups.py and keygroups_report.py)."""
+"""Benchmark inputs for key-group assignment (keygroups_report.py)."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""The upload-service workload shared by bench_service.py and service_report.py.
+"""The upload-service workload of service_report.py.
 
 `run_mode(mode, writers, changes, every, size)` starts `writers` processes that each append `changes`
 changes of `size` bytes (vectorised `append_many`, 100-byte payloads by default) and persist every

@@ -1,4 +1,4 @@
-"""Shared workloads of bench/bench_state.py and bench/state_report.py (issue 5 state benchmarks).
+"""Workloads of bench/state_report.py (keyed state).
 
 * update: `ValueState.update_many` in batches (pandas/numpy columns), every row one change appended to
   the changelog writer (thread upload mode, so pre-emptive uploads run in the background as in a job).

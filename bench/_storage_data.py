@@ -1,5 +1,6 @@
-"""Shared workloads of the storage benchmarks (bench_storage.py, storage_report.py), all through the
-public API to a local directory: writer -> (pre-emptive) uploads -> persist -> read back."""
+"""Shared workloads of the storage benchmarks (storage_report.py, hotpath_report.py,
+service_modes_report.py, flink/_dstl_side.py), all through the public API to a local directory:
+writer -> (pre-emptive) uploads -> persist -> read back."""
 from __future__ import annotations
 
 import os

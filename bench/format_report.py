@@ -1,4 +1,4 @@
-"""Prints the issue-2 format benchmark: 1,000,000 changes of 100 bytes over key groups 0..127,
+"""Prints the format benchmark: 1,000,000 changes of 100 bytes over key groups 0..127,
 Cython vs the pure-Python twin in one process, medians of a few runs, and the ratios.
 
 Usage: .venv/bin/python bench/format_report.py [--changes N] [--repeat R] [--twin-repeat R]

@@ -27,7 +27,7 @@ import _storage_data as sd  # noqa: E402
 
 from dstl.changelog.storage import open_storage  # noqa: E402
 
-STATE_GOAL = 1.5e6  # single-key ValueState.update calls per second (issue 10)
+STATE_GOAL = 1.5e6  # single-key ValueState.update calls per second (the target)
 
 
 def _median(values):

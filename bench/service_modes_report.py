@@ -1,4 +1,4 @@
-"""Default (process) mode vs thread mode on the issue-9 workload, in one run, plus where process
+"""Default (process) mode vs thread mode on one writer's workload, in one run, plus where process
 mode's time goes.
 
 Workload: one writer, 1,000,000 random 100-byte changes over 128 key groups, default options, local
@@ -6,7 +6,7 @@ disk; (a) `append_many` in 10,000-row calls + persist, (b) one `append` per chan
 quarter of the changes). Each mode's storage is opened once and kept, as a task keeps its storage
 (the process-mode service is then warm, as in a running job; its cold start is reported on its own
 line); one warm-up round is not counted. Thread and process runs alternate (thread, process,
-thread, ...) so that background load hits both alike; medians of --repeat runs. Goals (issue 9):
+thread, ...) so that background load hits both alike; medians of --repeat runs. Targets:
 (a) process / thread >= 0.5, (b) process / thread >= 0.9.
 
 "where the time goes" (append_many, the run with the median wall time): the appending thread's time (encoding into the change

@@ -1,6 +1,6 @@
 """Upload service benchmark: `process` vs `thread` mode on one workload, in one run.
 
-Default workload (issue 4): 4 writer processes x 1,000,000 changes of 100 bytes, persist every 50,000.
+Default workload: 4 writer processes x 1,000,000 changes of 100 bytes, persist every 50,000.
 Prints, per configuration (payload kind x compression): total MB/s, files written, writer-process CPU
 time per MB (user + system, every thread of the writer processes), the ratio process/thread of that
 CPU (goal <= 0.5), and for process mode the hand-off cost: descriptor round-trip latency and bytes

@@ -72,7 +72,7 @@ def build(base: str, size_mb: int, keys: int, parallelism: int = 4, maxp: int = 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size-mb", type=int, default=64, help="changelog size in MB (the issue asks for 1024)")
+    ap.add_argument("--size-mb", type=int, default=64, help="changelog size in MB (1024 for the documented figure)")
     ap.add_argument("--keys", type=int, default=None, help="distinct keys = live values (default: size/400 B)")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--master", default="local[2]")

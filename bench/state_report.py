@@ -2,7 +2,7 @@
 changelog into a quarter of the key groups, with and without materialization. Medians of a few runs.
 
 Usage: .venv/bin/python bench/state_report.py [--updates N] [--repeat R] [--restore-mb MB]
-Goal (issue 5): >= 2 M updates/s through ValueState bulk update, appends included.
+Target: >= 2 M updates/s through ValueState bulk update, appends included.
 """
 from __future__ import annotations
 

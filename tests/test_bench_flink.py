@@ -207,46 +207,6 @@ def test_phases_of_a_small_write_on_a_real_disk(tmp_path, bench_modules):
     assert sorted(os.listdir(tmp_path)) == ["storage"]  # the phases' files are gone
 
 
-@pytest.mark.parametrize("script,args,expect", [
-    ("append_calls.py", ["--blocks", "2"], ["operator.is_ (no-op C call)", "writer.append", "/ no-op call"]),
-    ("state_calls_ab.py", ["--calls", "2000", "--keys", "100", "--rounds", "1", "--baseline-dir", "."],
-     ["update / dict set", "adapter: before / after, per round"]),
-    ("write_bound.py", ["--changes", "20000", "--rounds", "1"],
-     ["plain write", "thread, no file write", "memory copy"]),
-    ("append_interference.py", ["--changes", "20000", "--rounds", "1"],
-     ["no-op C call", "append, file writes stubbed", "append, real uploads"]),
-    ("append_interference.py", ["--changes", "20000", "--rounds", "1", "--mode", "process"],
-     ["no-op C call", "append, real uploads", "page faults a round"]),
-    ("thread_mode_load.py", ["--changes", "20000", "--rounds", "1", "--burners", "1"],
-     ["0 busy processes", "1 busy processes", "per record, process, switch 0.5 ms", "thread/process throughput"]),
-])
-@heavy
-def test_the_side_measurements_run_on_a_small_workload(script, args, expect):
-    """The scripts behind the per-call and thread-mode figures in docs/benchmarks.md run end to end
-    (a small workload, real storages; thread_mode_load starts and kills its busy processes)."""
-    proc = subprocess.run([sys.executable, os.path.join(FLINK_BENCH, script), *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for text in expect:
-        assert text in proc.stdout, proc.stdout
-
-
-def test_restore_ab_runs_on_a_small_workload():
-    """bench/flink/restore_ab.py (the restore figures in docs/benchmarks.md) compiles the base decoder
-    and the floor, checks every variant's changes against the base's and prints the rows; it compares
-    compiled decoders, so the pure-Python run checks that it refuses."""
-    from conftest import expected_implementation
-
-    proc = subprocess.run([sys.executable, os.path.join(FLINK_BENCH, "restore_ab.py"), "--changes", "20000",
-                           "--rounds", "1"], capture_output=True, text=True, timeout=600, cwd=REPO)
-    if expected_implementation() != "cython":
-        assert proc.returncode == 2 and "build the extension first" in proc.stderr
-        return
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for text in ("base (HEAD)", "walk, chain_changes", "floor: + a StateChange per change", "base / this"):
-        assert text in proc.stdout, proc.stdout
-
-
 class _SlowingDownJit:
     """A stand-in for the Java harness whose calls speed up until call `settle`, then stay put."""
 

@@ -280,7 +280,7 @@ def _stats(values: List[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_round": values}
 
 
-# (key, what, goal, met(value)) of the hot-path goals (issue 21), checked on same-round medians
+# (key, what, target, met(value)): the hot-path targets, checked on same-round medians
 GOALS = [
     ("vs_floor.dstl_write_vectorised_process", "vectorised write, process mode / plain write()", ">= 0.8",
      lambda v: v >= 0.8),
@@ -454,37 +454,26 @@ def hot_path_markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-README_ROWS = [  # (path, label, the goal it is held to: (group, key, target) or None)
-    ("dstl_write_vectorised_thread", "`append_many` + `persist`, `thread` mode",
-     ("vs_floor", "dstl_write_vectorised_thread", ">= 0.8 of the floor")),
-    ("dstl_write_vectorised_process", "`append_many` + `persist`, default (`process`) mode",
-     ("vs_floor", "dstl_write_vectorised_process", ">= 0.8 of the floor")),
-    ("dstl_write_per_record", "per-record `writer.append` + `persist`, default mode",
-     ("ratio_vs_flink", "dstl_write_per_record", ">= 1.0x Flink")),
-    ("plain_write", "floor: the payload as one buffer, one `write()` to a new file", None),
-    ("dstl_read_arrays", "read back as arrays (`get_changes_arrays`)",
-     ("vs_floor", "dstl_read_arrays", ">= 0.8 of the floor")),
-    ("dstl_read_objects", "`for c in get_changes(...)` (one `StateChange` per change)",
-     ("ratio_vs_flink", "dstl_read_objects", ">= 1.5x Flink")),
-    ("plain_read", "floor: one `readinto()` of the same bytes", None),
+README_ROWS = [  # (path, label) of the README's table
+    ("dstl_write_vectorised_thread", "`append_many` + `persist`, `thread` mode"),
+    ("dstl_write_vectorised_process", "`append_many` + `persist`, default (`process`) mode"),
+    ("dstl_write_per_record", "per-record `writer.append` + `persist`, default mode"),
+    ("plain_write", "floor: the payload as one buffer, one `write()` to a new file"),
+    ("dstl_read_arrays", "read back as arrays (`get_changes_arrays`)"),
+    ("dstl_read_objects", "`for c in get_changes(...)` (one `StateChange` per change)"),
+    ("plain_read", "floor: one `readinto()` of the same bytes"),
 ]
 
 
 def readme_table(result: dict) -> str:
-    """The README's table: MB/s, same-round ratios to Flink and to the floor, the goal, met or not."""
+    """The README's table: MB/s and the same-round ratios to Flink and to the floor."""
     paths = result["paths"]
-    rows = ["| path | MB/s | / Flink, same round | / floor, same round | goal (issue 21) |", "|---|---|---|---|---|"]
-    for key, label, goal in README_ROWS:
+    rows = ["| path | MB/s | / Flink, same round | / floor, same round |", "|---|---|---|---|"]
+    for key, label in README_ROWS:
         p = paths[key]
-        fl = p.get("ratio_vs_flink")
-        vf = p.get("ratio_vs_floor")
         r = lambda x: f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" if x else ""  # noqa: E731
-        verdict = ""
-        if goal is not None:
-            group, k, target = goal
-            g = next(x for x in result["goals"] if x["ref"] == f"{group}.{k}")
-            verdict = f"{target}: {_verdict(g)}"
-        rows.append(f"| {label} | {p['median_mb_per_s']:,.0f} | {r(fl)} | {r(vf)} | {verdict} |")
+        rows.append(f"| {label} | {p['median_mb_per_s']:,.0f} | {r(p.get('ratio_vs_flink'))} | "
+                    f"{r(p.get('ratio_vs_floor'))} |")
     return "\n".join(rows)
 
 
@@ -585,7 +574,7 @@ def main(argv=None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            ap.error("the chart needs matplotlib: pip install 'dstl[bench]' (or pass --no-chart)")
+            ap.error("the chart needs matplotlib: pip install 'pyspark-dstl[bench]' (or pass --no-chart)")
     result = run_rounds(args, jdk)
     print_table(result)
     os.makedirs(args.out_dir, exist_ok=True)
