@@ -414,14 +414,8 @@ def phase_rows(result: dict) -> List[List[str]]:
     ]
 
 
-def _verdict(goal: dict) -> str:
-    if not goal["conclusive"]:
-        return f"inconclusive: rounds more than 2x apart (the median {'meets' if goal['met'] else 'misses'} it)"
-    return "met" if goal["met"] else "**missed**"
-
-
 def hot_path_markdown(result: dict) -> str:
-    """The phases, per-record, keyed-state and goal tables for docs/benchmarks.md."""
+    """The phases and per-call tables for docs/benchmarks.md."""
     if "phases_ms" not in result:
         return ""
     pr, ks, ld = result["per_record"], result["keyed_state"], result["load"]
@@ -442,10 +436,6 @@ def hot_path_markdown(result: dict) -> str:
             f"| `d.get(k)` | {r(ks['dict_get'])} | |",
             f"| `ValueState.get(k)` | {r(ks['value_get'])} | {r(ks['get_vs_call_floor'], '{:.2f}')} of the call "
             f"loop, {r(ks['get_vs_dict'], '{:.2f}')} of the dict |"]
-    out += ["", "| goal | target | same-round median (min-max) | |", "|---|---|---|---|"]
-    out += [f"| {g['goal']} | {g['target']} | {g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | "
-            f"{_verdict(g)} |"
-            for g in result["goals"]]
     flag = ("rounds disagree by more than 2x: " + ", ".join(f"`{k}` {v:.1f}x" for k, v in ld["unstable_paths"].items())
             if ld["rounds_disagree"] else "no path's slowest round took more than 2x its fastest")
     out += ["", f"Load average (1 min): {ld['loadavg_at_start'][0]:.1f} at the start, "
@@ -494,14 +484,16 @@ def print_table(result: dict) -> None:
 
 
 def markdown_table(result: dict) -> str:
-    """The results as the Markdown table docs/benchmarks.md quotes."""
-    rows = ["| path | median | MB/s | dstl / Flink, same round: median (min-max) |", "|---|---|---|---|"]
+    """The results as the Markdown table docs/benchmarks.md quotes: per path the median, MB/s, and the
+    same-round ratios to Flink and to the floor (median, lowest and highest round)."""
+    rows = ["| path | median | MB/s | dstl / Flink, same round | / floor, same round |", "|---|---|---|---|---|"]
+    r = lambda x: f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})" if x else ""  # noqa: E731
     for key, system, kind, label in PATHS:
         p = result["paths"][key]
         ratio = p.get("ratio_vs_flink")
-        r = f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "baseline"
+        to_flink = f"**{r(ratio).replace(' ', 'x ', 1)}**" if ratio else "baseline"
         rows.append(f"| {kind}, {system}: `{label}` | {p['median_seconds'] * 1000:.0f} ms | "
-                    f"{p['median_mb_per_s']:.0f} | {r} |")
+                    f"{p['median_mb_per_s']:.0f} | {to_flink} | {r(p.get('ratio_vs_floor'))} |")
     return "\n".join(rows)
 
 
