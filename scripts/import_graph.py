@@ -5,11 +5,12 @@ dstl module, assigns every module to a layer (LAYERS, bottom first) and reports:
 
   python scripts/import_graph.py                  # the Mermaid diagram on stdout
   python scripts/import_graph.py --format dot     # the same as Graphviz DOT (dot -Tsvg > layers.svg)
-  python scripts/import_graph.py --check          # list upward imports; exit 1 if there is any
+  python scripts/import_graph.py --check          # list upward imports and cycles; exit 1 if any
   python scripts/import_graph.py --write docs/contributing.md   # refresh the diagram in that page
 
-A module may import only from its own layer or the layers below it. tests/test_layers.py runs the
-same checks, and checks that the diagram in docs/contributing.md is the one this script draws.
+A module may import only from its own layer or the layers below it, and no modules may import each
+other in a circle (function-level and TYPE_CHECKING imports count: see `cycles`). tests/test_layers.py
+runs the same checks, and checks that the diagram in docs/contributing.md is the one this script draws.
 """
 from __future__ import annotations
 
@@ -143,6 +144,59 @@ def upward_imports(imports: List[Import], root: str = ROOT) -> List[Import]:
     return out
 
 
+def cycles(imports: List[Import]) -> List[List[str]]:
+    """The groups of modules that import each other in a circle (strongly connected components of
+    two or more modules), each sorted, in sorted order.
+
+    Every import counts, function-level and TYPE_CHECKING ones too: a lazy import or a type hint
+    only defers the dependency, and a circle of them still means neither module can be understood,
+    tested or moved without the other."""
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    for imp in imports:
+        if imp.source != imp.target:
+            graph[imp.source].add(imp.target)
+    # Tarjan's algorithm, iterative (no recursion limit on long chains)
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return sorted(found)
+
+
 def layer_edges(imports: List[Import], root: str = ROOT) -> Dict[Tuple[str, str], int]:
     """(importing layer, imported layer) -> number of imports, without a layer's own imports."""
     edges: Dict[Tuple[str, str], int] = defaultdict(int)
@@ -227,12 +281,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         unplaced = sorted(m for m in module_files() if layer_of(m) is None)
-        bad = upward_imports(all_imports())
+        imports = all_imports()
+        bad = upward_imports(imports)
+        circles = cycles(imports)
         for m in unplaced:
             print(f"{m}: belongs to no layer (add it to LAYERS in scripts/import_graph.py)")
         for imp in bad:
             print(f"{imp.source}:{imp.line}: {layer_of(imp.source)} imports {imp.target} ({layer_of(imp.target)})")
-        return 1 if bad or unplaced else 0
+        for group in circles:
+            print(f"import cycle: {', '.join(group)}")
+        return 1 if bad or unplaced or circles else 0
     diagram = mermaid() if args.format == "mermaid" else dot()
     if args.write:
         with open(args.write, encoding="utf-8") as f:

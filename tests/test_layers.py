@@ -1,7 +1,7 @@
 """The layer rules of docs/contributing.md hold in the real imports, and its diagram is current.
 
 The imports are read with `ast` by scripts/import_graph.py (nothing is imported), function-level and
-TYPE_CHECKING imports included.
+TYPE_CHECKING imports included; no modules may import each other in a circle.
 """
 from __future__ import annotations
 
@@ -99,6 +99,43 @@ def test_the_rules_catch_a_violation(tmp_path):
     bad = {(i.source, i.target) for i in graph.upward_imports(imports, str(tmp_path))}
     assert bad == {("dstl.types", "dstl.state.backend"), ("dstl.spark.keyed", "dstl.app.pipeline"),
                    ("dstl.changelog.upload.task", "dstl.state.backend")}
+
+
+def test_no_import_cycles():
+    """No dstl modules import each other in a circle.
+
+    Function-level and TYPE_CHECKING imports count (the scan reads them all): a lazy import or a
+    type-hint import does not run at import time, but it is still a dependency, and a circle of
+    them means the modules cannot be read, tested or moved apart. Where a lower module needs to
+    name a higher one's type, it names a Protocol below both instead (dstl.state.host.StateHost
+    for the keyed state kinds and their backend)."""
+    circles = graph.cycles(IMPORTS)
+    assert not circles, "modules that import each other in a circle:\n" + "\n".join(
+        ", ".join(group) for group in circles)
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path):
+    """The checker itself: a circle closed by a TYPE_CHECKING import, one closed by a function-level
+    import and a three-module circle are reported; a one-way chain and a self-import are not."""
+    pkg = tmp_path / "dstl"
+    (pkg / "state").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "state" / "__init__.py").write_text("")
+    (pkg / "state" / "backend.py").write_text("from dstl.state.base import State\n")
+    (pkg / "state" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dstl.state.backend import Backend\n")
+    (pkg / "state" / "lazy_a.py").write_text("from dstl.state import lazy_b\n")
+    (pkg / "state" / "lazy_b.py").write_text("def f():\n    from . import lazy_a\n")
+    (pkg / "state" / "x.py").write_text("import dstl.state.y\n")
+    (pkg / "state" / "y.py").write_text("from .z import thing\n")
+    (pkg / "state" / "z.py").write_text("from dstl.state.x import other\n")
+    (pkg / "state" / "chain.py").write_text("from dstl.state import backend\nfrom dstl.state import chain\n")
+    imports = graph.all_imports(str(tmp_path))
+    assert graph.cycles(imports) == [
+        ["dstl.state.backend", "dstl.state.base"],
+        ["dstl.state.lazy_a", "dstl.state.lazy_b"],
+        ["dstl.state.x", "dstl.state.y", "dstl.state.z"],
+    ]
 
 
 @pytest.mark.parametrize("page", ["docs/contributing.md"])

@@ -1,18 +1,17 @@
 """The part every keyed state kind shares: identity, serializer, table access, bulk encoding.
 
-See dstl.state.backend for how states, the in-memory table and the changelog fit together."""
+See dstl.state.backend for how states, the in-memory table and the changelog fit together; a state
+reaches its backend only through dstl.state.host.StateHost."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from dstl.keygroups import assign_key_groups
 from dstl.state import changes as C
 from dstl.state.columns import Column, as_column, encode_rows
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dstl.state.backend import KeyedStateBackend
+from dstl.state.host import StateHost
 
 _KEY_TYPES = (int, str, bytes)
 _USER_KEY_TYPES = (int, str, bytes, float, bool, type(None))
@@ -35,7 +34,7 @@ class _State:
 
     kind = ""
 
-    def __init__(self, backend: "KeyedStateBackend", meta: C.StateMeta, serializer: Any):
+    def __init__(self, backend: StateHost, meta: C.StateMeta, serializer: Any):
         self._b = backend
         self.meta = meta
         self.name = meta.name
@@ -44,7 +43,7 @@ class _State:
         self._put = backend._k.for_state(self._sid, self.name)
         self.serializer = serializer
         self._native = bool(getattr(serializer, "native", False))
-        # replay may store SET/SET_INTERNAL bodies directly (see KeyedStateBackend._replay_handle)
+        # replay may store SET/SET_INTERNAL bodies directly (see dstl.state.restore._replay_handle)
         self._fast_ops = frozenset() if not self._native else {
             "value": frozenset((C.SET,)), "reducing": frozenset((C.SET, C.SET_INTERNAL))}.get(self.kind, frozenset())
 

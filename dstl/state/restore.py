@@ -2,22 +2,34 @@
 
 Metadata changes are replayed from every handle (state ids are per log); data changes only for the
 key groups in range; KEY_GROUP_SNAPSHOT changes (materializations) are merged into the table.
+The backend is reached through `RestoreTarget`, so this module sits below dstl.state.backend.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.base import _State
+from dstl.state.host import StateHost
 from dstl.state.serializers import get_serializer, unpackb
 from dstl.state.snapshot import KeyedStateSnapshot
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dstl.state.backend import KeyedStateBackend
+
+class RestoreTarget(StateHost, Protocol):
+    """The backend as the replay sees it: a state host that also registers states and owns a writer."""
+
+    storage: Any
+    restore_stats: Dict[str, int]
+    _states: Dict[str, _State]
+    _next_sid: int
+    _writer: Any
+
+    def _new_state(self, kind: str, meta: C.StateMeta, serializer: Any) -> _State:
+        """A state object of `kind` bound to this backend (not yet registered)."""
 
 
-def replay_snapshots(backend: "KeyedStateBackend", snapshots: Sequence[KeyedStateSnapshot], serializers: Dict[str, Any]) -> List[Any]:
+def replay_snapshots(backend: RestoreTarget, snapshots: Sequence[KeyedStateSnapshot], serializers: Dict[str, Any]) -> List[Any]:
     # log_changes / log_bytes: the restored data changes that are not materialized key-group
     # snapshots, i.e. what was logged since the last materialization; the backend counts it on
     stats = {"handles": 0, "change_sets": 0, "changes_read": 0, "changes_applied": 0,
@@ -42,7 +54,7 @@ def replay_snapshots(backend: "KeyedStateBackend", snapshots: Sequence[KeyedStat
         backend._writer.append_meta(C.encode_meta(state.meta))
     return base
 
-def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Dict[str, Any], stats: Dict[str, int]) -> None:
+def _replay_handle(backend: RestoreTarget, reader, handle, serializers: Dict[str, Any], stats: Dict[str, int]) -> None:
     local: Dict[int, _State] = {}   # state ids are per log
     stats["handles"] += 1
     META, KG_SNAPSHOT, names = C.METADATA, C.KEY_GROUP_SNAPSHOT, C.OP_NAMES
@@ -105,7 +117,7 @@ def _replay_handle(backend: "KeyedStateBackend", reader, handle, serializers: Di
         stats["log_changes"] += applied - snapshots
         stats["log_bytes"] += read - not_logged
 
-def _restore_meta(backend: "KeyedStateBackend", meta: C.StateMeta, serializers: Dict[str, Any]) -> _State:
+def _restore_meta(backend: RestoreTarget, meta: C.StateMeta, serializers: Dict[str, Any]) -> _State:
     existing = backend._states.get(meta.name)
     if existing is not None:
         if not existing.meta.same_definition(C.StateMeta(existing.meta.state_id, meta.name, meta.kind,
@@ -120,7 +132,7 @@ def _restore_meta(backend: "KeyedStateBackend", meta: C.StateMeta, serializers: 
     backend._states[meta.name] = state
     return state
 
-def _apply_kg_snapshot(backend: "KeyedStateBackend", kg: int, body: Any, local: Dict[int, _State]) -> None:
+def _apply_kg_snapshot(backend: RestoreTarget, kg: int, body: Any, local: Dict[int, _State]) -> None:
     if kg < 0:
         raise CorruptChangelogError("KEY_GROUP_SNAPSHOT change in the metadata group", 0)
     t = backend._table.setdefault(kg, {})
