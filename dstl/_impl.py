@@ -3,7 +3,8 @@
 Every module in `dstl/_fast/` comes as `<name>.pyx` (compiled) beside `<name>_py.py` (its twin, byte-
 identical results). `DSTL_PUREPYTHON=1` forces the twins (as msgpack-python does with
 MSGPACK_PUREPYTHON); otherwise the compiled modules are used when every one of them imports, and the
-twins are the fallback. `kernel(name)` returns the chosen module.
+twins are the fallback. `kernel(name)` returns the chosen module. Pure-Python helpers that both
+sides share (`_buffer_common.py`, as fastavro's `_read_common.py`) have no twin and are not listed.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import importlib
 import os
 from types import ModuleType
 
-MODULES = ("_buffer", "_change", "_decode", "_hash", "_keyed", "_statecols")
+# bottom first: a module may cimport those before it
+MODULES = ("_spares", "_sealed", "_buffer", "_filewrite", "_writer", "_change", "_decode", "_hash", "_keyed",
+           "_statecols")
 
 FORCED_PURE = os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0", "false", "False")
 

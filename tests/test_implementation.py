@@ -27,11 +27,30 @@ def test_every_facade_uses_the_selected_module():
 
     suffix = "" if expected_implementation() == "cython" else "_py"
     assert fmt.ChangeBuffer.__module__ == f"dstl._fast._buffer{suffix}"
+    assert type(fmt.ChangeBuffer().seal_body()).__module__ == f"dstl._fast._sealed{suffix}"
+    assert fmt.WriterCore.__module__ == f"dstl._fast._writer{suffix}"
+    assert fmt.write_bodies.__module__ == fmt.write_bodies_at.__module__ == f"dstl._fast._filewrite{suffix}"
+    assert fmt.spare_bytes.__module__ == fmt.release_spares.__module__ == f"dstl._fast._spares{suffix}"
     assert fmt.decode_change_set.__module__ == f"dstl._fast._decode{suffix}"
     assert keygroups._kernels.__name__ == f"dstl._fast._hash{suffix}"
     assert columns._kernel.__name__ == f"dstl._fast._statecols{suffix}"
     for name in _impl.MODULES:
         assert _impl.kernel(name).__name__ == f"dstl._fast.{name}{suffix}"
+
+
+def test_no_stale_build_outside_the_listed_modules():
+    """Every compiled module in dstl/_fast has its .pyx there and is listed in `_impl.MODULES`: a
+    stale build of a module that was split or renamed (an old `_buffer` holding what now lives in
+    `_sealed`, `_filewrite` and `_writer`) cannot stand in for a missing one unnoticed."""
+    import glob
+    import os
+
+    here = os.path.join(os.path.dirname(_impl.__file__), "_fast")
+    built = {os.path.basename(p).split(".")[0] for p in glob.glob(os.path.join(here, "*.so"))
+             + glob.glob(os.path.join(here, "*.pyd"))}
+    assert built <= set(_impl.MODULES), f"compiled modules without a listed .pyx: {sorted(built - set(_impl.MODULES))}"
+    if expected_implementation() == "cython":
+        assert built == set(_impl.MODULES)
 
 
 def test_every_cython_module_has_a_twin_file_beside_it():

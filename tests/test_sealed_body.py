@@ -21,12 +21,12 @@ def write_path(request):
     if CYTHON is None or request.param == "whole":
         yield request.param
         return
-    from dstl._fast import _buffer
-    old = _buffer._set_scatter_max(-1)
+    from dstl._fast import _sealed
+    old = _sealed._set_scatter_max(-1)
     try:
         yield request.param
     finally:
-        _buffer._set_scatter_max(old)
+        _sealed._set_scatter_max(old)
 
 
 def _ops(rng: random.Random):
@@ -228,23 +228,23 @@ def test_dropped_bodies_leave_their_memory_for_the_next_change_sets_within_a_bou
     instead of faulting fresh pages in. A closing storage frees them. Per-record bodies have no
     record arrays: their chunks are all they keep."""
     from dstl import open_storage, KeyGroupRange
-    from dstl._fast import _buffer_py
-    impl_buffer = fmt._buffer
-    impl_buffer.release_spares()
-    assert impl_buffer.spare_bytes() == 0
+    from dstl._fast import _buffer_py, _spares_py
+    spares = fmt._spares
+    spares.release_spares()
+    assert spares.spare_bytes() == 0
     bodies = _bodies(fmt, 25)  # 25 arenas of 8 MiB
     del bodies
-    kept = impl_buffer.spare_bytes()
-    if impl_buffer is _buffer_py:
+    kept = spares.spare_bytes()
+    if spares is _spares_py:
         assert kept == 0  # the twin keeps nothing: Python's allocator reuses its memory
     else:
         assert kept == 160 << 20  # 20 of the arenas fill the pool
         joined = _bodies(fmt, 4, joined=True)  # records for 50,000 changes, doubled for the 50,001st
         del joined
-        assert impl_buffer.spare_bytes() - kept == 4 * 16 * 100_000  # the arenas found the pool full
-        kept = impl_buffer.spare_bytes()
+        assert spares.spare_bytes() - kept == 4 * 16 * 100_000  # the arenas found the pool full
+        kept = spares.spare_bytes()
         again = _bodies(fmt, 3) + _bodies(fmt, 1, joined=True)
-        assert impl_buffer.spare_bytes() < kept  # taken from the pool
+        assert spares.spare_bytes() < kept  # taken from the pool
         assert b"".join(b.tobytes() for b in again) == \
             b"".join(b.tobytes() for b in _bodies(_buffer_py, 3) + _bodies(_buffer_py, 1, joined=True))
     with open_storage(str(tmp_path / "s"), upload_mode="direct") as storage:
@@ -253,5 +253,5 @@ def test_dropped_bodies_leave_their_memory_for_the_next_change_sets_within_a_bou
             writer.append(i % 128, bytes(100))
         writer.persist(writer.initial_sequence_number(), 1).result(60)
         writer.close()
-        assert (impl_buffer.spare_bytes() > 0) == (impl_buffer is not _buffer_py)
-    assert impl_buffer.spare_bytes() == 0
+        assert (spares.spare_bytes() > 0) == (spares is not _spares_py)
+    assert spares.spare_bytes() == 0

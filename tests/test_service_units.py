@@ -99,7 +99,7 @@ class _Streamed:
 
 
 def test_segments_take_every_kind_of_body_reuse_grow_and_sweep():
-    from dstl._fast import _buffer_py
+    from dstl._fast import _sealed_py
     from dstl.format import ChangeBuffer
 
     prefix = shm.segment_prefix(f"{os.getpid()}xunit", os.getpid(), "t1")
@@ -107,7 +107,7 @@ def test_segments_take_every_kind_of_body_reuse_grow_and_sweep():
     buf = ChangeBuffer()
     buf.append(3, b"sealed")
     sealed = buf.seal_body()
-    bodies = [b"abc", memoryview(b"defgh"), bytearray(b""), sealed, _buffer_py.SealedBody(b"twin"),
+    bodies = [b"abc", memoryview(b"defgh"), bytearray(b""), sealed, _sealed_py.SealedBody(b"twin"),
               _Streamed(b"0123456789")]
     expected = b"abcdefgh" + sealed.tobytes() + b"twin0123456789"
     seg = shm.Segment(name, 1)

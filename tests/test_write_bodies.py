@@ -10,16 +10,16 @@ import random
 import numpy as np
 import pytest
 
-from dstl._fast import _buffer_py
+from dstl._fast import _buffer_py, _filewrite_py
 
 from format_helpers import CYTHON, impl_params
 
 
 def _write_bodies(impl, name="write_bodies"):
     if impl.name == "python":
-        return getattr(_buffer_py, name)
-    from dstl._fast import _buffer
-    return getattr(_buffer, name)
+        return getattr(_filewrite_py, name)
+    from dstl._fast import _filewrite
+    return getattr(_filewrite, name)
 
 
 @pytest.fixture(params=[512 << 10, 4096, 7])
@@ -28,12 +28,12 @@ def piece(request):
     if CYTHON is None:
         yield request.param
         return
-    from dstl._fast import _buffer
-    old = _buffer._set_piece_size(request.param)
+    from dstl._fast import _filewrite
+    old = _filewrite._set_piece_size(request.param)
     try:
         yield request.param
     finally:
-        _buffer._set_piece_size(old)
+        _filewrite._set_piece_size(old)
 
 
 def _bodies_and_bytes(impl, seed: int):
@@ -192,7 +192,8 @@ def test_the_facade_picks_the_loaded_implementation():
     from dstl import format as fmt
     from dstl._impl import IMPLEMENTATION
 
-    assert fmt.write_bodies.__module__.endswith("_buffer_py" if IMPLEMENTATION == "python" else "_buffer")
+    assert fmt.write_bodies.__module__ == ("dstl._fast._filewrite_py" if IMPLEMENTATION == "python"
+                                          else "dstl._fast._filewrite")
 
 
 def _per_record_ops(shape: str, rng: random.Random) -> list:
@@ -250,14 +251,14 @@ def test_per_record_bodies_are_written_from_their_group_chunks(impl, shape, tmp_
     body.write_to(lambda v: pieces.append(bytes(v)), 4096)
     assert b"".join(pieces) == expected
     if impl.name == "cython":  # the streamed write_to of a large body: its canonical order from the chunks
-        from dstl._fast import _buffer
+        from dstl._fast import _sealed
         streamed = _fill_per_record(impl.ChangeBuffer(), shape, ops).seal_body()
-        old = _buffer._set_scatter_max(-1)
+        old = _sealed._set_scatter_max(-1)
         try:
             pieces = []
             streamed.write_to(lambda v: pieces.append(bytes(v)), 4096)
         finally:
-            _buffer._set_scatter_max(old)
+            _sealed._set_scatter_max(old)
         assert b"".join(pieces) == expected
     assert bytes(body) == expected
     assert _fill_per_record(impl.ChangeBuffer(), shape, ops).seal() == expected
@@ -273,7 +274,7 @@ def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):
     import sys
     script = (
         "import os, resource, signal, sys\n"
-        "from dstl._fast import _buffer\n"
+        "from dstl._fast import _buffer, _filewrite\n"
         "bufs = [_buffer.ChangeBuffer(), _buffer.ChangeBuffer()]\n"
         "for i in range(20_000):\n"
         "    for buf in bufs:\n"
@@ -285,7 +286,7 @@ def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_003, resource.RLIM_INFINITY))\n"
         "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL)\n"
         "try:\n"
-        "    _buffer.write_bodies([fd], [body])\n"
+        "    _filewrite.write_bodies([fd], [body])\n"
         "except OSError as exc:\n"
         "    print(exc.errno, flush=True)\n"
     )

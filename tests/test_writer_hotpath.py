@@ -20,7 +20,7 @@ from dstl.changelog.writer import FsStateChangelogWriter
 from dstl.types import KeyGroupRange
 
 from conftest import expected_implementation
-from dstl._fast import _buffer_py
+from dstl._fast import _writer_py
 
 KGR = KeyGroupRange(0, 15)
 T = 20
@@ -34,14 +34,14 @@ def _writer_class(core):
 
 
 def _cores():
-    cores = [("python", _buffer_py.WriterCore)]
+    cores = [("python", _writer_py.WriterCore)]
     try:
-        from dstl._fast import _buffer
+        from dstl._fast import _writer
     except ImportError:
         if expected_implementation() == "cython":
             raise
     else:
-        cores.append(("cython", _buffer.WriterCore))
+        cores.append(("cython", _writer.WriterCore))
     return cores
 
 

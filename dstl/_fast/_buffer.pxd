@@ -1,7 +1,13 @@
-# The change buffer and the writer's append core, declared for the other modules' C-level appends: the
-# keyed-state kernel (dstl/_fast/_keyed.pyx) copies an encoded change from its own buffer straight into
-# the writer's arena (`WriterCore._append_raw`), with no bytes object and no Python call.
+# The change buffer, declared for the other modules' C-level appends: the writer core
+# (dstl/_fast/_writer.pyx) stores a change with the inline `store_change` below, and the keyed-state
+# kernel reaches it through the writer core's `_append_raw`, with no bytes object and no Python call.
 from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy
+
+from dstl._fast._cutil cimport DSTL_PREFETCH_W, put_be32
+
+cdef enum:
+    NSLOTS = 32769          # key groups -1..32767, slot = kg + 1
 
 
 cdef class ChangeBuffer:
@@ -37,20 +43,41 @@ cdef class ChangeBuffer:
     cdef int _new_run(self, const unsigned char* base) except -1
     cdef int _new_chunk(self, int slot, int64_t length) except -1
     cdef int _records(self) except -1
-    cdef void _count(self, int slot, int64_t k) noexcept nogil
     cdef int _check_idle(self) except -1
     cdef int _add(self, int32_t kg, object data) except -1
     cdef int _add_raw(self, int32_t kg, const unsigned char* src, Py_ssize_t length) except -1
     cdef int _write(self, unsigned char* dst) except -1
 
 
-cdef class WriterCore:
-    cdef readonly ChangeBuffer _buffer
-    cdef public bint _closed
-    cdef public long _kg_start, _kg_end
-    cdef public int64_t _threshold
-    cdef unsigned long _flusher   # the thread inside a pre-emptive persist of an append; 0 = none
+cdef inline void count_slot(ChangeBuffer buf, int slot, int64_t k) noexcept nogil:
+    """Count `k` changes of the group in `slot`, noting a group seen for the first time."""
+    if buf.counts[slot] == 0:
+        buf.num_groups += 1
+        if slot < buf.min_slot:
+            buf.min_slot = slot
+        if slot > buf.max_slot:
+            buf.max_slot = slot
+    buf.counts[slot] += k
 
-    cdef int _enter(self) except -1
-    cdef int _after(self) except -1
-    cdef int _append_raw(self, long kg, const unsigned char* src, Py_ssize_t length) except -1
+
+cdef inline void store_change(ChangeBuffer buf, int32_t kg, const unsigned char* src, Py_ssize_t length) noexcept:
+    """The stores of one change whose room is made: [length][payload] at the end of its group's chunk,
+    its count, and its record if records are kept."""
+    cdef int64_t p = buf.gpos[kg + 1]
+    cdef int64_t next_p = p + 4 + length
+    put_be32(buf.arena + p, <int32_t>length)
+    memcpy(buf.arena + p + 4, src, length)
+    buf.gpos[kg + 1] = next_p
+    if buf.records:
+        buf.kgs[buf.n] = kg
+        buf.offs[buf.n] = p + 4
+        buf.lens[buf.n] = <int32_t>length
+    buf.n += 1
+    buf.payload += length
+    count_slot(buf, kg + 1, 1)
+    # the group's next change goes right after this one, many appends from now: fetch its lines for
+    # writing meanwhile (the groups' chunks are written as interleaved streams, more than the hardware
+    # prefetcher follows; without this an append took twice as long)
+    if next_p + 128 <= buf.gend[kg + 1]:
+        DSTL_PREFETCH_W(buf.arena + next_p + 64)
+        DSTL_PREFETCH_W(buf.arena + next_p + 128)

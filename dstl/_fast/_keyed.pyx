@@ -28,7 +28,7 @@ from libc.string cimport memcpy
 
 import msgpack
 
-from dstl._fast._buffer cimport WriterCore
+from dstl._fast._writer cimport WriterCore
 from dstl._fast._hash cimport _java_hash, _long_hash, _murmur
 from dstl._fast._keyed_py import closed_error, key_group_of, serialize_error
 

@@ -1,8 +1,8 @@
 """The dstl changelog byte format (docs/format.md): encoding, file writing and decoding.
 
-This facade picks the Cython hot path (`dstl._fast._buffer`, `dstl._fast._decode`) or its
-pure-Python twins (`dstl._fast._buffer_py`, `dstl._fast._decode_py`) by `dstl._impl.IMPLEMENTATION`; both give
-byte-identical results.
+This facade picks the Cython hot path (`dstl._fast._buffer`, `_writer`, `_filewrite`, `_spares`,
+`_decode`) or its pure-Python twins (`dstl._fast._buffer_py`, ...) by `dstl._impl.IMPLEMENTATION`; both
+give byte-identical results.
 
     >>> buf = ChangeBuffer(); buf.append(5, b"x"); buf.append(-1, b"meta")
     >>> body = buf.seal()                       # meta group first, then key groups ascending
@@ -19,10 +19,11 @@ from dstl.format.compression import FLAG_RAW, FLAG_SNAPPY, FLAG_ZSTD, StreamWrit
 from dstl.types import SealedChangeSet, StateChange, StateChangeSet, java_uuid_sort_key
 from dstl._fast._decode_py import ChangeSetInfo
 
-_buffer = _impl.kernel("_buffer")
-ChangeBuffer, WriterCore, write_bodies = _buffer.ChangeBuffer, _buffer.WriterCore, _buffer.write_bodies
-write_bodies_at = _buffer.write_bodies_at
-spare_bytes, release_spares = _buffer.spare_bytes, _buffer.release_spares
+_buffer, _filewrite, _spares = _impl.kernel("_buffer"), _impl.kernel("_filewrite"), _impl.kernel("_spares")
+ChangeBuffer = _buffer.ChangeBuffer
+WriterCore = _impl.kernel("_writer").WriterCore
+write_bodies, write_bodies_at = _filewrite.write_bodies, _filewrite.write_bodies_at
+spare_bytes, release_spares = _spares.spare_bytes, _spares.release_spares
 _decode = _impl.kernel("_decode")
 decode_change_set, decode_change_set_arrays, walk = _decode.decode_change_set, _decode.decode_change_set_arrays, _decode.walk
 iter_change_set, chain_changes = _decode.iter_change_set, _decode.chain_changes

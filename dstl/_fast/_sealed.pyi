@@ -1,0 +1,13 @@
+"""Type stubs for the Cython module `dstl._fast._sealed` (twin: `_sealed_py.py`).
+
+`SealedBody` is a sealed change-set body (bytes-like), laid out while it is written.
+"""
+from typing import Any, Callable
+
+CHUNK: int
+
+class SealedBody:
+    def write_to(self, write: Callable[[Any], Any], chunk_size: int = ...) -> int: ...
+    def write_into(self, out: Any, pos: int = ...) -> int: ...
+    def tobytes(self) -> bytes: ...
+    def __len__(self) -> int: ...

@@ -1,0 +1,6 @@
+"""Type stubs for the Cython module `dstl._fast._spares` (twin: `_spares_py.py`).
+
+The memory that sealed bodies hand back for the next change sets (record arrays, arenas)."""
+
+def spare_bytes() -> int: ...
+def release_spares() -> None: ...
