@@ -103,7 +103,7 @@ cdef inline int64_t chunk_end(ChangeBuffer buf, int64_t k) noexcept:
 cdef class ChangeBuffer:
     """Accumulates changes and seals them into one canonical change-set body (docs/format.md §4)."""
 
-    # fields and C methods: declared in _buffer.pxd (the keyed-state kernel cimports this class)
+    # fields and C methods: declared in _buffer.pxd (the writer core cimports this class)
 
     def __cinit__(self):
         self.arena = NULL
