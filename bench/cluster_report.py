@@ -52,7 +52,7 @@ def run_job(cluster, base, work, batches, conf, driver_env, phases):
         done += n
         run_stream_driver(driver_env, conf, ["--base", base, "--input", inputs, "--checkpoint", ckpt,
                                              "--parallelism", str(parallelism), "--fn",
-                                             "--storage-option", "upload.timeout=10s"], progress)
+                                             "--option", "upload.timeout=10s"], progress)
     return [e for e in read_progress(progress) if e["phase"] == "done" and not e["replayed"]]
 
 

@@ -113,7 +113,7 @@ def driver(base: str, input_dir: str, ckpt: str, progress: str, materialize_ever
     spark.sparkContext.setLogLevel("ERROR")
     extra = {"materialize_every": int(materialize_every)} if materialize_every else {}
     stream = StatefulStream(base, _totals, OUTPUT_DDL, key="user", parallelism=2, retain=2,
-                            storage_options={"upload.timeout": "10 s"}, **extra)
+                            options={"upload.timeout": "10 s"}, **extra)
 
     def each_batch(df, batch_id):
         res = stream(df, batch_id)

@@ -1,4 +1,6 @@
-"""Storage options (docs/options.md): Flink's keys in both spellings, Flink's value syntax, validation."""
+"""Storage options (docs/options.md): dstl's own options (Flink's keys in both spellings, Flink's value
+syntax, validation) and the fsspec keyword arguments of the base path's file system (`storage_options=`,
+as pandas and fsspec name them), kept apart: a name given in the wrong one is an error saying where it goes."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +13,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 PREFIX = "dstl.dfs."
 PREFIX_2X = "state.changelog.dstl.dfs."
-#: `dstl.dfs.fs.<name>`: keyword argument `<name>` of the base path's fsspec file system
-#: (endpoint_url, key, secret, client_kwargs, ...); kept in memory, never written (docs/options.md)
+#: `dstl.dfs.fs.<name>`: in a Flink-key mapping (`StorageConfig.to_mapping()`, what tasks receive),
+#: keyword argument `<name>` of the base path's fsspec file system; kept in memory, never written
 FS_PREFIX = "fs."
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -276,11 +278,7 @@ class StorageConfig:
             key = PREFIX + opt.suffix
             parsed = opt.parse(getattr(self, opt.field), key)
             object.__setattr__(self, opt.field, parsed)
-        fs_options = self.fs_options
-        if not isinstance(fs_options, Mapping) or not all(isinstance(k, str) and k for k in fs_options):
-            raise ValueError(f"option '{PREFIX}{FS_PREFIX}*': fsspec options must be a mapping of "
-                             f"keyword names, got {type(fs_options).__name__}")
-        object.__setattr__(self, "fs_options", dict(fs_options))
+        object.__setattr__(self, "fs_options", fs_options_of(self.fs_options, "fs_options"))
         self._validate()
         if self.fs_options:
             register_options(self.base_path, self.fs_options)
@@ -327,8 +325,9 @@ class StorageConfig:
             suffix = _suffix_of(key)
             if suffix is None:
                 raise ValueError(f"unknown option {key!r} (dstl options are {PREFIX}<suffix> or "
-                                 f"{PREFIX_2X}<suffix>; suffixes: {', '.join(_BY_SUFFIX)}; fsspec "
-                                 f"options are {PREFIX}{FS_PREFIX}<name>)")
+                                 f"{PREFIX_2X}<suffix>; suffixes: {', '.join(_BY_SUFFIX)}; the file "
+                                 f"system's keyword arguments go in storage_options=, in a mapping "
+                                 f"{PREFIX}{FS_PREFIX}<name>)")
             opt = _BY_SUFFIX[suffix]
             parsed = opt.parse(raw, key)
             if opt.field in values and values[opt.field] != parsed:
@@ -341,28 +340,16 @@ class StorageConfig:
         return cls(**values, fs_options=fs_options)
 
     @classmethod
-    def from_options(cls, base_path: Any = None, *, fs_options: Optional[Mapping[str, Any]] = None,
+    def from_options(cls, base_path: Any = None, *, storage_options: Optional[Mapping[str, Any]] = None,
                      **options: Any) -> "StorageConfig":
         """Keyword form: suffixes with '.'/'-' as '_' (`batch_persist_delay="10 ms"`) or field names;
-        `fs_options`: the fsspec file system's keyword arguments (endpoint_url, key, secret, ...)."""
-        mapping: Dict[str, Any] = {}
-        if base_path is not None:
-            mapping[PREFIX + "base-path"] = base_path
-        if fs_options is not None:
-            if not isinstance(fs_options, Mapping):
-                raise ValueError(f"fs_options must be a mapping of fsspec keyword arguments, got "
-                                 f"{type(fs_options).__name__}")
-            for name, value in fs_options.items():
-                mapping[f"{PREFIX}{FS_PREFIX}{name}"] = value
-        for name, value in options.items():
-            opt = _BY_KWARG.get(name) or _BY_FIELD.get(name)
-            if opt is None:
-                raise ValueError(f"unknown option {name!r} (use e.g. batch_persist_delay, upload_mode)")
-            key = PREFIX + opt.suffix
-            if key in mapping and opt.parse(mapping[key], key) != opt.parse(value, key):
-                raise ValueError(f"option {key!r} given twice with different values")
-            mapping[key] = value
-        return cls.from_mapping(mapping)
+        `storage_options`: the fsspec file system's keyword arguments (key, secret, client_kwargs, ...)."""
+        if "fs_options" in options:
+            raise ValueError("fs_options= is now storage_options= (the file system's keyword arguments)")
+        for name in options:
+            if _BY_KWARG.get(name) is None and _BY_FIELD.get(name) is None:
+                raise _unknown(name, "options")
+        return storage_config(base_path, options, storage_options)
 
     @classmethod
     def of(cls, config: Any) -> "StorageConfig":
@@ -396,5 +383,140 @@ class StorageConfig:
         return dataclasses.replace(self, **changes)
 
 
+def dstl_option_key(name: Any) -> Optional[str]:
+    """The canonical `dstl.dfs.*` key of a dstl option written in any spelling (either key prefix,
+    the bare suffix, the suffix with '.'/'-' as '_', or the field name), else None. dstl's option
+    names are this finite set; a file system's keyword arguments are open-ended, so this set is what
+    tells the two apart."""
+    if not isinstance(name, str):
+        return None
+    name = name.strip()
+    suffix = _suffix_of(name)
+    if suffix is not None:
+        return PREFIX + suffix
+    opt = _BY_SUFFIX.get(name) or _BY_KWARG.get(name) or _BY_FIELD.get(name)
+    return None if opt is None else PREFIX + opt.suffix
+
+
+def _old_fs_name(name: str) -> Optional[str]:
+    """`"fs.key"`, `"dstl.dfs.fs.key"` -> `"key"`: the spelling fsspec arguments had among dstl's options."""
+    name = name.strip()
+    found = _fs_option_of(name)
+    if found is None and name.startswith(FS_PREFIX) and len(name) > len(FS_PREFIX):
+        found = name[len(FS_PREFIX):]
+    return found
+
+
+def _go(place: str, name: str, cli: bool) -> str:
+    """How to pass `name` in `place` ("options" or "storage_options"), in the API's or the CLI's syntax."""
+    if cli:
+        return f"--{'option' if place == 'options' else 'fs-option'} {name}=..."
+    return f"{place}={{{name!r}: ...}}"
+
+
+def _label(place: str, cli: bool) -> str:
+    return ("--option" if place == "options" else "--fs-option") if cli else place
+
+
+def _unknown(name: Any, where: str, cli: bool = False) -> ValueError:
+    return ValueError(f"{where}: unknown dstl option {name!r} (a key {PREFIX}<suffix> or "
+                      f"{PREFIX_2X}<suffix>, or the bare suffix as in upload.mode or upload_mode; suffixes: "
+                      f"{', '.join(_BY_SUFFIX)}); the file system's keyword arguments (key, secret, "
+                      f"client_kwargs, ...) go in {_label('storage_options', cli)}")
+
+
+def fs_options_of(storage_options: Optional[Mapping[str, Any]], where: str = "storage_options",
+                  cli: bool = False) -> Dict[str, Any]:
+    """`storage_options=` checked: the fsspec file system's keyword arguments, as pandas and fsspec
+    take them (`{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`). A dstl option
+    or the old `fs.<name>` spelling is a ValueError saying where it goes (`cli`: in the CLI's flags).
+    Values never appear in an error: they may be credentials."""
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, Mapping):
+        raise ValueError(f"{where} must be a mapping of the file system's keyword arguments (key, secret, "
+                         f"client_kwargs, ...), got {type(storage_options).__name__}")
+    out: Dict[str, Any] = {}
+    for name, value in storage_options.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where}: keys must be keyword argument names, got {name!r}")
+        old = _old_fs_name(name)
+        if old is not None:
+            raise ValueError(f"{where}: {name!r} is the old spelling of the file system's keyword argument "
+                             f"{old!r}: pass {_go(where if not cli else 'storage_options', old, cli)}")
+        key = dstl_option_key(name)
+        if key is not None:
+            raise ValueError(f"{where}: {name!r} is a dstl option ({key}): pass it in "
+                             f"{_go('options', name, cli)}; {where} takes the file system's keyword arguments")
+        if name.startswith(("dstl.", "state.changelog.")):
+            raise ValueError(f"{where}: {name!r} is not a file system argument but looks like a dstl option "
+                             f"key, and no dstl option has that name; dstl options go in {_label('options', cli)}")
+        if not name.isidentifier():
+            raise ValueError(f"{where}: {name!r} is not a keyword argument name ({where} takes the file "
+                             f"system's keyword arguments, e.g. key, secret, client_kwargs; dstl options "
+                             f"go in {_label('options', cli)})")
+        out[name] = value
+    return out
+
+
+def parse_options(options: Optional[Mapping[str, Any]], where: str = "options", cli: bool = False) -> Dict[str, Any]:
+    """`options=` checked: dstl options in any spelling (`dstl.dfs.upload.mode`, its Flink 2.x key,
+    `upload.mode`, `upload_mode`) as a mapping of full keys, values not yet parsed. A file system
+    argument in its old `fs.<name>` spelling is a ValueError pointing to `storage_options=`."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where} must be a mapping of dstl option names to values, got {type(options).__name__}")
+    out: Dict[str, Any] = {}
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: option names must be strings, got {name!r}")
+        old = _old_fs_name(name)
+        if old is not None:
+            raise ValueError(f"{where}: {name!r} is a keyword argument of the file system: pass it as "
+                             f"{_go('storage_options', old, cli)}")
+        key = dstl_option_key(name)
+        if key is None:
+            raise _unknown(name, where, cli)
+        full = name.strip()
+        if not full.startswith((PREFIX, PREFIX_2X)):
+            full = key
+        if full in out:
+            opt = _BY_SUFFIX[key[len(PREFIX):]]
+            if opt.parse(out[full], full) != opt.parse(value, full):
+                raise ValueError(f"{where}: option {full!r} given twice with different values")
+        out[full] = value
+    return out
+
+
+def storage_config(base_path: Any = None, options: Any = None,
+                   storage_options: Optional[Mapping[str, Any]] = None) -> StorageConfig:
+    """The validated `StorageConfig` of dstl `options` (a mapping in any spelling, or a StorageConfig)
+    and the file system's keyword arguments `storage_options`; the base path is `base_path` unless
+    `options` names one. Registers the keyword arguments for the base path in this process."""
+    fs = fs_options_of(storage_options)
+    if isinstance(options, StorageConfig):
+        return options.replace(fs_options={**options.fs_options, **fs}) if fs else options
+    mapping = parse_options(options)
+    if base_path is not None and not any(_suffix_of(k) == "base-path" for k in mapping):
+        mapping[PREFIX + "base-path"] = base_path
+    for name, value in fs.items():
+        mapping[f"{PREFIX}{FS_PREFIX}{name}"] = value
+    try:
+        return StorageConfig.from_mapping(mapping)
+    except ValueError as exc:
+        raise ValueError(f"options: {exc}") from None
+
+
+def register_storage_options(url: str, storage_options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Check `storage_options` (fs_options_of) and use them for every file system opened on `url`
+    or below it in this process; returns them checked."""
+    fs = fs_options_of(storage_options)
+    if fs:
+        register_options(url, fs)
+    return fs
+
+
 __all__ = ["StorageConfig", "parse_duration_ms", "parse_memory_size", "parse_bool", "parse_int",
-           "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X", "FS_PREFIX"]
+           "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X", "FS_PREFIX", "dstl_option_key", "fs_options_of",
+           "parse_options", "storage_config", "register_storage_options"]

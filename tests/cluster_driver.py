@@ -2,7 +2,7 @@
 (tests/processors.py's CountingProcessor), one file per micro-batch, until the files are drained.
 
     python cluster_driver.py --base URL --input DIR --checkpoint DIR --parallelism P --progress FILE \
-        [--conf KEY=VALUE ...] [--storage-option KEY=VALUE ...]
+        [--conf KEY=VALUE ...] [--option KEY=VALUE ...]
 
 `--conf` goes to the SparkSession builder (the cluster's master, event log, executorEnv...). Before a
 batch it appends `{"batch": N, "phase": "start"}` to the progress file, after it one line with the
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--fn", action="store_true",
                    help="the vectorised count_fn instead of the CountingProcessor class (same output)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a dstl.dfs.* option (without the prefix)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dstl option of the changelog storage (dstl.dfs.KEY or the bare suffix)")
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     from pyspark.sql import SparkSession
@@ -52,10 +52,10 @@ def main(argv=None) -> int:
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    options = {"dstl.dfs." + kv.partition("=")[0]: kv.partition("=")[2] for kv in args.storage_option}
+    options = {kv.partition("=")[0]: kv.partition("=")[2] for kv in args.option}
     processor = count_fn if args.fn else CountingProcessor()
     stream = StatefulStream(args.base, processor, COUNT_OUTPUT, key="user", parallelism=args.parallelism,
-                            storage_options=options)
+                            options=options)
 
     def log(entry: dict) -> None:
         with open(args.progress, "a") as f:

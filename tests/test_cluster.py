@@ -120,7 +120,7 @@ def test_stream_on_standalone_cluster_with_worker_loss_and_rescale(s3_bucket, tm
                     f"task.mid_batch@{KILL_AT}/{s}=stall:once={tmp_path / f'stalled-{s}'}" for s in range(parallelism)))
             run_stream_driver(env, dict(conf, **{"spark.eventLog.dir": "file://" + log_dir}),
                               ["--base", base, "--input", inputs, "--checkpoint", ckpt,
-                               "--parallelism", str(parallelism), "--storage-option", "upload.timeout=10s"],
+                               "--parallelism", str(parallelism), "--option", "upload.timeout=10s"],
                               progress, on_poll=kill_mid_task if phase == 0 else None)
             if phase == 0:
                 cluster.wait_for_workers(2)

@@ -234,8 +234,13 @@ def _cli(capsys, *argv):
     (["--parallelism", "8", "--max-parallelism", "4"], "must not exceed --max-parallelism"),
     (["--max-parallelism", "40000"], "--max-parallelism must be <="),
     (["--fail-at", "10"], "--fail-at must be a batch in 0..9"),
-    (["--storage-option", "nonsense"], "KEY=VALUE"),
-    (["--storage-option", "upload.mode=carrier-pigeon"], "upload.mode"),
+    (["--option", "nonsense"], "KEY=VALUE"),
+    (["--option", "upload.mode=carrier-pigeon"], "upload.mode"),
+    (["--option", "fs.key=K"], "pass it as --fs-option key=..."),
+    (["--fs-option", "upload.mode=thread"], "is a dstl option (dstl.dfs.upload.mode): pass it in --option"),
+    (["--fs-option", "secret-without-equals"], "--fs-option expects NAME=VALUE"),
+    (["--storage-option", "upload.mode=thread"], "--storage-option is gone: use --option KEY=VALUE"),
+    (["--storage-option", "fs.endpoint_url=http://h"], "--storage-option is gone: use --fs-option endpoint_url="),
     (["--state", "memory", "--verify"], "--state memory"),
 ])
 def test_bad_options_exit_2(capsys, tmp_path, argv, message):
@@ -283,7 +288,7 @@ def test_local_cluster_against_s3(s3_bucket, tmp_path):
     argv = [sys.executable, "-m", "dstl", "pipeline", "--quiet", "--events", "4000", "--batches", "3",
             "--users", "200", "--items", "40", "--base-path", base, "--master", "local-cluster[2,1,1024]",
             # a loaded 2-core machine answers S3 slower than the default 1 s (3 attempts timed out in CI)
-            "--storage-option", "upload.timeout=10s", "--verify"]
+            "--option", "upload.timeout=10s", "--verify"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     proc = subprocess.Popen(argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

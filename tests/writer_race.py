@@ -60,14 +60,16 @@ def spec(base: str):
 
 
 def options(base: str):
+    """dstl's storage options (`options=`); a generous upload timeout: a loaded 2-core machine
+    starts S3 clients slowly."""
+    return {"upload.mode": os.environ.get("RACE_UPLOAD_MODE", "thread"), "upload.timeout": "20 s"}
+
+
+def storage_options():
+    """The file system's keyword arguments (`storage_options=`), from RACE_FS_OPTIONS."""
     import json
 
-    from dstl.config import StorageConfig
-
-    fs_options = json.loads(os.environ.get("RACE_FS_OPTIONS") or "{}")
-    # a generous upload timeout: a loaded 2-core machine starts S3 clients slowly
-    return StorageConfig(base_path=base, upload_mode=os.environ.get("RACE_UPLOAD_MODE", "thread"),
-                         upload_timeout_ms="20 s", fs_options=fs_options).to_mapping()
+    return json.loads(os.environ.get("RACE_FS_OPTIONS") or "{}")
 
 
 def run(base: str, batches: int, barrier: str, name: str, runs: int = 2) -> int:
@@ -81,11 +83,14 @@ def run(base: str, batches: int, barrier: str, name: str, runs: int = 2) -> int:
     schema = pa.schema([("key", pa.int64()), ("count", pa.int64())])
     from dstl.changelog.fs import StoreUnreachableError, probe_base_path, root_of
 
-    opts = options(base)  # registers the fsspec options for the base path in this process
+    from dstl.config import register_storage_options
+
+    register_storage_options(base, storage_options())  # the probe and the job-file check use them
     try:
         probe_base_path(base)
         fs, root = root_of(base)
-        coord = CheckpointCoordinator.open(base, spec(base), opts, resume=fs.exists(f"{root}/_dstl_job.json"))
+        coord = CheckpointCoordinator.open(base, spec(base), options(base), storage_options=storage_options(),
+                                           resume=fs.exists(f"{root}/_dstl_job.json"))
         open(os.path.join(barrier, name), "w").close()
         deadline = time.monotonic() + 60
         while len(os.listdir(barrier)) < runs and time.monotonic() < deadline:

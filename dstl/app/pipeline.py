@@ -48,8 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--from-checkpoint", type=int, default=None, metavar="N",
                      help="with --resume: roll back to retained checkpoint N first (later checkpoints are "
                           "abandoned, their output moves under <output>/_rolled_back/<time>/)")
-    job.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                     help="a dstl.dfs.* option for the changelog storage (repeatable)")
+    job.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a dstl option of the changelog storage, as dstl.dfs.KEY or the bare suffix "
+                          "(repeatable), e.g. upload.mode=thread, compression.enabled=true")
+    job.add_argument("--fs-option", action="append", default=[], metavar="NAME=VALUE",
+                     help="a keyword argument of the base path's fsspec file system (repeatable), e.g. "
+                          "key=..., client_kwargs.endpoint_url=http://host:9000 (a dotted NAME fills a "
+                          "nested dict; a VALUE that parses as JSON, such as true or {...}, is that value)")
+    # the flag these two replaced: kept only to say so
+    job.add_argument("--storage-option", action="append", default=[], help=argparse.SUPPRESS)
     job.add_argument("--materialize-every", type=int, default=200_000, metavar="CHANGES",
                      help="materialize a subtask's state after this many changes (default 200000; 0 = never)")
     job.add_argument("--retain", type=int, default=2, help="completed checkpoints kept (default 2)")
@@ -113,28 +120,63 @@ def _check_location(url: str, what: str) -> None:
             _fail(f"{what} {url}: {root} does not exist")
 
 
-def _storage_options(args) -> Dict[str, Any]:
-    from dstl.config import PREFIX, StorageConfig
-
-    mapping: Dict[str, Any] = {}
-    for item in args.storage_option:
-        if "=" not in item:
-            _fail(f"--storage-option expects KEY=VALUE, got {item!r}")
+def _pairs(flag: str, items: List[str]) -> List[tuple]:
+    out = []
+    for item in items:
+        if "=" not in item:  # not echoed: a file system argument may be a credential
+            _fail(f"{flag} expects {'NAME' if flag == '--fs-option' else 'KEY'}=VALUE; an argument has no '='")
         k, v = item.split("=", 1)
-        k = k.strip()
-        if not k.startswith(("dstl.", "state.changelog.")):
-            k = PREFIX + k
-        mapping[k] = v.strip()
-    mapping.setdefault(PREFIX + "base-path", args.base_path)
+        out.append((k.strip(), v))
+    return out
+
+
+def _fs_value(text: str) -> Any:
+    """A JSON value when the text parses as one (true, 5, {...}), else the text itself."""
     try:
-        config = StorageConfig.from_mapping(mapping)
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _fs_options(args) -> Dict[str, Any]:
+    """--fs-option NAME=VALUE pairs as fsspec keyword arguments; `a.b=v` sets {"a": {"b": v}}."""
+    from dstl.config import dstl_option_key, fs_options_of
+
+    out: Dict[str, Any] = {}
+    for name, value in _pairs("--fs-option", args.fs_option):
+        parts = name.split(".")
+        if dstl_option_key(name) is not None or name.startswith(("fs.", "dstl.", "state.changelog.")) \
+                or not all(parts):
+            fs_options_of({name: None}, "--fs-option", cli=True)  # raises, saying where it goes
+        fs_options_of({parts[0]: None}, "--fs-option", cli=True)
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                _fail(f"--fs-option {name}: {part} is given both as a value and as a dict")
+        node[parts[-1]] = _fs_value(value.strip())
+    return out
+
+
+def _storage_config(args):
+    from dstl.config import parse_options, storage_config
+
+    if args.storage_option:
+        name = args.storage_option[0].split("=", 1)[0].strip()
+        hint = (f"--fs-option {name[3:]}=..." if name.startswith("fs.") and len(name) > 3
+                else "--option KEY=VALUE for a dstl option, --fs-option NAME=VALUE for a file system argument")
+        _fail(f"--storage-option is gone: use {hint}")
+    try:
+        options = parse_options({k: v.strip() for k, v in _pairs("--option", args.option)}, "--option", cli=True)
+        config = storage_config(args.base_path, options, _fs_options(args))
     except ValueError as exc:
-        _fail(f"--storage-option: {exc}")
+        text = str(exc)
+        _fail("--option: " + text[len("options: "):] if text.startswith("options: ") else text)
     if config.upload_mode == "process" and config.base_path.rstrip("/") != str(args.base_path).rstrip("/"):
         # the host's upload service keeps a dead worker's files that <base>/checkpoints references
-        _fail(f"--storage-option base-path={config.base_path} must equal --base-path {args.base_path} "
+        _fail(f"--option base-path={config.base_path} must equal --base-path {args.base_path} "
               "with upload.mode=process (the upload service looks for checkpoints under the base path)")
-    return config.to_mapping()
+    return config
 
 
 @dataclass
@@ -144,7 +186,7 @@ class Options:
     args: argparse.Namespace
     source: Any
     output: str
-    storage: Dict[str, Any]
+    storage: Any  # StorageConfig: dstl options and the file system's keyword arguments
     max_parallelism: Optional[int]
 
 
@@ -180,11 +222,12 @@ def check_options(args: argparse.Namespace) -> Options:
             source = SyntheticSource(args.events, args.batches, args.users, args.items, args.seed)
         except ValueError as exc:
             _fail(str(exc))
+    storage = _storage_config(args)  # registers the file system's arguments before the checks below
     _check_location(args.base_path, "--base-path")
     output = args.output or args.base_path.rstrip("/") + "/output"
     if args.output:
         _check_location(output, "--output")
-    return Options(args, source, output, _storage_options(args), args.max_parallelism)
+    return Options(args, source, output, storage, args.max_parallelism)
 
 
 # ------------------------------------------------------------------ Spark
@@ -520,7 +563,7 @@ def read_checkpoint_state(coord, meta) -> Dict[Any, Dict[str, Any]]:
 
     KeyedStateBackend, _ = _state_api()
     state: Dict[Any, Dict[str, Any]] = {}
-    with FsStateChangelogStorage(dict(coord.storage_options, **{"dstl.dfs.upload.mode": "direct"}),
+    with FsStateChangelogStorage(coord.storage_config.replace(upload_mode="direct"),
                                  job_id=coord.spec.job_id) as storage:
         for st in meta.subtasks:
             backend = KeyedStateBackend.restore(storage, coord.spec.operator_id, st.key_group_range,

@@ -215,12 +215,12 @@ class StoreUnreachableError(DstlError, OSError):
 
 
 _CREDENTIAL_SOURCES = {
-    "s3": "the storage options (fs.key/fs.secret, fs.profile), the environment (AWS_ACCESS_KEY_ID, "
+    "s3": "storage_options (key/secret, profile), the environment (AWS_ACCESS_KEY_ID, "
           "AWS_SECRET_ACCESS_KEY, AWS_PROFILE), ~/.aws/credentials and ~/.aws/config, and the instance "
           "or container role",
-    "gcs": "the storage options (fs.token), GOOGLE_APPLICATION_CREDENTIALS, gcloud's default "
+    "gcs": "storage_options (token), GOOGLE_APPLICATION_CREDENTIALS, gcloud's default "
            "credentials and the instance's service account",
-    "abfs": "the storage options (fs.account_name, fs.account_key, fs.sas_token, ...), the environment "
+    "abfs": "storage_options (account_name, account_key, sas_token, ...), the environment "
             "(AZURE_STORAGE_*) and the managed identity",
 }
 _CREDENTIAL_SOURCES.update({"s3a": _CREDENTIAL_SOURCES["s3"], "gs": _CREDENTIAL_SOURCES["gcs"],
@@ -234,7 +234,7 @@ def protocol_of(url: str) -> str:
 
 def credential_sources(url: str) -> str:
     """Where credentials for `url`'s store are looked for, in words."""
-    return _CREDENTIAL_SOURCES.get(protocol_of(url), "the storage options (fs.*) and the file system's "
+    return _CREDENTIAL_SOURCES.get(protocol_of(url), "storage_options and the file system's "
                                                       "own defaults (its environment variables, config files)")
 
 

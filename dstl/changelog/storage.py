@@ -231,13 +231,27 @@ def _sweep_dead_owners(root: str) -> None:
         log.warning("could not sweep the local-recovery directory %s: %s", root, exc)
 
 
-def open_storage(base_path: str, *, job_id: Optional[str] = None, local_recovery_dir: Optional[str] = None,
-                 local_recovery_root: Optional[str] = None, **options: Any) -> FsStateChangelogStorage:
+def open_storage(base_path: str, *, storage_options: Optional[Mapping[str, Any]] = None,
+                 options: Optional[Mapping[str, Any]] = None, job_id: Optional[str] = None,
+                 local_recovery_dir: Optional[str] = None, local_recovery_root: Optional[str] = None,
+                 **kwargs: Any) -> FsStateChangelogStorage:
     """Short form: `open_storage("s3://bucket/cl", batch_persist_delay="10 ms", upload_mode="direct")`.
 
-    Option names are the key suffixes with '.' and '-' written as '_'.
+    dstl options come as keywords (the key suffixes with '.' and '-' written as '_') or in `options`
+    (any spelling: `{"upload.mode": "direct"}`, `dstl.dfs.*` keys). `storage_options`: the fsspec
+    file system's keyword arguments (`{"key": ..., "secret": ..., "client_kwargs": {...}}`), as
+    pandas takes them; in memory only.
     """
-    config = StorageConfig.from_options(base_path, **options)
+    from dstl.config import parse_options, storage_config
+
+    if "fs_options" in kwargs:
+        raise ValueError("fs_options= is now storage_options= (the file system's keyword arguments)")
+    merged = parse_options(options)
+    for key, value in parse_options(kwargs).items():
+        if key in merged and merged[key] != value:
+            raise ValueError(f"option {key!r} given both in options= and as a keyword")
+        merged[key] = value
+    config = storage_config(base_path, merged, storage_options)
     return FsStateChangelogStorage(config, job_id=job_id, local_recovery_dir=local_recovery_dir,
                                    local_recovery_root=local_recovery_root)
 

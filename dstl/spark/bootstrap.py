@@ -45,7 +45,7 @@ def _schema_record(state_name: str, schema: Any) -> Dict[str, Any]:
 def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, schema: Any = None,
                     max_parallelism: Optional[int] = None, parallelism: int, operator_id: Optional[str] = None,
                     output_path: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None,
-                    params: Optional[Dict[str, Any]] = None):
+                    params: Optional[Dict[str, Any]] = None, options: Optional[Dict[str, Any]] = None):
     """Write checkpoint 1 of a new job at `base_path` holding value state `state_name` per `key`.
 
     The value of each key is its row's `schema` columns as a list (a StatefulProcessor's tuple); with
@@ -54,7 +54,8 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     continues passes (defaults: "dstl-bootstrap", `<base>/output`, none; for a StatefulStream pass
     ``operator_id=StatefulStream.operator_id``). Checkpoint 1 has no Spark batch (its batch is -1):
     the continuing job's first batch is 0. With `schema`, the state's schema is recorded as
-    StatefulStream records it. Returns the checkpoint's metadata.
+    StatefulStream records it. `storage_options`: the file system's keyword arguments (key, secret,
+    client_kwargs, ...); `options`: dstl's storage options. Returns the checkpoint's metadata.
     """
     import pandas as pd
 
@@ -80,7 +81,11 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     if not isinstance(parallelism, int) or not 1 <= parallelism <= maxp:
         raise ValueError(f"parallelism must be in 1..{maxp} (max parallelism), got {parallelism!r}")
     from dstl.changelog.fs import root_of
+    from dstl.config import storage_config
     from dstl.spark.coordinator import JOB_FILE
+
+    # registers the file system's arguments before the first look at the base path
+    config = storage_config(base_path, options, storage_options).replace(upload_mode="direct")
 
     bfs, broot = root_of(base_path)
     if list_checkpoints(base_path) or bfs.exists(f"{broot}/{JOB_FILE}"):
@@ -89,9 +94,7 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     operator_id = operator_id or BOOTSTRAP_OPERATOR
     output = output_path or base_path.rstrip("/") + "/output"
     ensure_importable_on_workers(spark)
-    opts = dict(storage_options or {})
-    opts.setdefault("dstl.dfs.base-path", base_path)
-    opts["dstl.dfs.upload.mode"] = "direct"
+    opts = config.to_mapping()  # to the tasks, in memory
     keyed = with_subtask(df.select(key, *columns), key, maxp, parallelism)
     routed = keyed.repartition(parallelism, SUBTASK_COL)
 
@@ -134,7 +137,7 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
                 SubtaskState(i, compute_key_group_range_for_operator_index(maxp, parallelism, i))
                 for i in range(parallelism)]
     spec = JobSpec(job_id, operator_id, maxp, output, dict(params or {}))
-    CheckpointCoordinator.open(base_path, spec, opts, resume=False)  # writes the job file
+    CheckpointCoordinator.open(base_path, spec, config, resume=False)  # writes the job file
     props = {"batch": -1, "job_id": job_id, "operator_id": operator_id, "bootstrap": True,
              "state_schemas": _schema_record(state_name, schema),
              "tokens": [uuid.uuid4().hex for _ in range(parallelism)], "output": {"batch": -1, "files": []}}

@@ -30,7 +30,7 @@ import posixpath
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
 from dstl.spark.placement import log_batch
@@ -111,14 +111,20 @@ def _join(base: str, *parts: str) -> str:
 class CheckpointCoordinator:
     """Driver-side checkpoint bookkeeping for one job at `base_path` (any fsspec URL)."""
 
-    def __init__(self, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, retain: int = 2,
+    def __init__(self, base_path: str, spec: JobSpec, options: Any = None, *,
+                 storage_options: Optional[Mapping[str, Any]] = None, retain: int = 2,
                  backend_options: Optional[Dict[str, Any]] = None, durable: bool = True,
                  output_layout: str = DEFAULT_OUTPUT_LAYOUT):
+        from dstl.config import storage_config
+
         if retain < 1:
             raise ValueError(f"retain must be >= 1, got {retain}")
         self.base_path = base_path.rstrip("/")
         self.spec = spec
-        self.storage_options = dict(storage_options)
+        #: the changelog storage: dstl `options` and the file system's keyword arguments `storage_options`
+        self.storage_config = storage_config(self.base_path, options, storage_options)
+        #: what tasks receive, in memory (file system arguments as dstl.dfs.fs.<name>)
+        self.storage_mapping = self.storage_config.to_mapping()
         self.retain = retain
         self.backend_options = dict(backend_options or {})
         self.durable = durable
@@ -135,11 +141,16 @@ class CheckpointCoordinator:
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
-    def open(cls, base_path: str, spec: JobSpec, storage_options: Dict[str, Any], *, resume: bool,
+    def open(cls, base_path: str, spec: JobSpec, options: Any = None, *, resume: bool,
+             storage_options: Optional[Mapping[str, Any]] = None,
              retain: int = 2, backend_options: Optional[Dict[str, Any]] = None,
              durable: bool = True, resume_from: Optional[int] = None,
              output_layout: str = DEFAULT_OUTPUT_LAYOUT) -> "CheckpointCoordinator":
         """Start a new job (`resume=False`: the base path must not hold one) or resume the one there.
+
+        `options`: dstl's storage options (`{"upload.mode": "thread"}`, `dstl.dfs.*` keys, or a
+        StorageConfig); `storage_options`: the base path file system's keyword arguments, as pandas
+        and fsspec take them (`{"key": ..., "secret": ..., "client_kwargs": {...}}`), in memory only.
 
         On resume the stored spec wins for the job id; operator, max parallelism, output and params
         must match what the caller passes (`spec.max_parallelism` 0 = take the stored one).
@@ -148,7 +159,10 @@ class CheckpointCoordinator:
         """
         from dstl.state.metadata import latest_checkpoint, list_checkpoints
 
+        from dstl.config import storage_config
+
         base = base_path.rstrip("/")
+        config = storage_config(base, options, storage_options)  # registers the file system's arguments
         fs, root = _fs(base)
         job_file = _join(root, JOB_FILE)
         stored = None
@@ -175,7 +189,7 @@ class CheckpointCoordinator:
                                        f"use another base path")
             fs.makedirs(root, exist_ok=True)
             _write_job_file(fs, job_file, base, spec, exclusive=True)  # two new jobs: one wins here
-            coord = cls(base, spec, storage_options, retain=retain, backend_options=backend_options,
+            coord = cls(base, spec, config, retain=retain, backend_options=backend_options,
                         durable=durable, output_layout=output_layout)
             coord.lease = _take_over(base, spec.job_id)
             return coord
@@ -185,7 +199,7 @@ class CheckpointCoordinator:
         lease = _take_over(base, stored.job_id)  # before this run changes anything at the base path
         if stored_raw and stored.output_path and relative_to(base, stored.output_path) != stored_raw:
             _write_job_file(fs, job_file, base, stored)  # upgrade an absolute-path job file
-        coord = cls(base, stored, storage_options, retain=retain, backend_options=backend_options,
+        coord = cls(base, stored, config, retain=retain, backend_options=backend_options,
                     output_layout=output_layout)
         coord.lease = lease
         from dstl.spark.rollback import finish_roll_back, roll_back
@@ -238,7 +252,7 @@ class CheckpointCoordinator:
             tokens = tuple(latest.properties["tokens"])
         return CheckpointPlan(
             job_id=self.spec.job_id, operator_id=self.spec.operator_id, base_path=self.base_path,
-            storage_options=self.storage_options,
+            storage_mapping=self.storage_mapping,
             checkpoint_id=batch + 1 if latest is None else max(batch + 1, latest.checkpoint_id + 1), batch=batch,
             parallelism=parallelism, max_parallelism=self.spec.max_parallelism,
             output_path=self.spec.output_path,

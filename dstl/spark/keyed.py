@@ -137,7 +137,9 @@ class CheckpointPlan:
     job_id: str
     operator_id: str
     base_path: str
-    storage_options: Dict[str, Any]
+    #: the changelog storage's options as `dstl.dfs.*` keys, the file system's keyword arguments as
+    #: `dstl.dfs.fs.<name>` (credentials among them: in memory only, left out of the repr)
+    storage_mapping: Dict[str, Any] = field(repr=False)
     checkpoint_id: int
     batch: int
     parallelism: int
@@ -385,7 +387,7 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
     if not plan.durable:
         return _run_in_memory(plan, fn, rows, subtask, attempt, arrow_schema)
     _quiet_expected_warnings()
-    storage = storage_for(plan.job_id, plan.storage_options)
+    storage = storage_for(plan.job_id, plan.storage_mapping)
     key = (plan.job_id, plan.operator_id, plan.parallelism, plan.max_parallelism, subtask)
     CACHE.evict_rescaled(plan.job_id, plan.operator_id, plan.parallelism, plan.max_parallelism)
     t0 = time.perf_counter()
@@ -611,7 +613,7 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: Ch
     if given) and that subtask's `KeyedStateBackend`; it returns a pandas DataFrame matching `schema`
     (a DDL string or StructType), or None. Output is staged, not committed: hand the reports to
     `CheckpointCoordinator.complete` (or use `StatefulJob`). Evaluate the result exactly once.
-    `storage_config` overrides `checkpoint.storage_options` when given (mapping or StorageConfig).
+    `storage_config` overrides `checkpoint.storage_mapping` when given (mapping or StorageConfig).
     `parallelism` and `max_parallelism` come from the plan; passing them only double-checks them.
     """
     from pyspark.sql import functions as F
@@ -625,7 +627,7 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: Ch
         from dstl.config import StorageConfig
 
         opts = StorageConfig.of(storage_config).to_mapping()
-        checkpoint = _replace(checkpoint, storage_options=opts)
+        checkpoint = _replace(checkpoint, storage_mapping=opts)
     arrow_schema = _arrow_output_schema(schema)
     for c in order_by or ():
         if c not in df.columns:

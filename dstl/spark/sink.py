@@ -30,7 +30,10 @@ def _marker(base_path: str, batch: int) -> str:
 
 
 def sink_done(base_path: str, batch: int, storage_options: Optional[Dict[str, Any]] = None) -> bool:
-    """True once the sink of `batch` has returned."""
+    """True once the sink of `batch` has returned (`storage_options`: the file system's keyword arguments)."""
+    from dstl.config import register_storage_options
+
+    register_storage_options(base_path, storage_options)
     fs, path = _fs(_marker(base_path, batch))
     fs.invalidate_cache(path.rsplit("/", 1)[0])
     return fs.exists(path)

@@ -5,6 +5,10 @@ checkpoint's changelog (the vectorised reader) and yields the live values as row
 runs one task per (checkpoint, changelog handle) with the change sets that checkpoint added. The
 driver reads checkpoint metadata and the first change set of each handle (state definitions and the
 key type), never the changelog itself. Columns are those of dstl.state.reader.
+
+`storage_options`: the base path file system's keyword arguments (key, secret, client_kwargs, ...),
+as pandas takes them; they reach the executors inside the tasks, in memory. `options`: dstl's
+storage options (docs/options.md).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ def _schema(key_type, columns: List[str]) -> str:
 
 def read_state(spark, base_path: str, state_name: Optional[str] = None, *, checkpoint_id: Optional[int] = None,
                tasks: Optional[int] = None, serializers: Optional[Dict[str, Any]] = None,
-               storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None):
+               storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None,
+               options: Optional[Dict[str, Any]] = None):
     """The live state of a checkpoint (default: the latest) as a Spark DataFrame, one row per live
     value: key, key_group, state, kind, user_key (map state, JSON), position (list state), value
     (JSON). For one state whose schema the job recorded, the value's fields are columns instead of
@@ -45,10 +50,10 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
 
     from dstl.spark.session import default_parallelism, ensure_importable_on_workers
 
-    meta = open_checkpoint(base_path, checkpoint_id)
-    names, key_type = first_look(meta, storage_options)
+    meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
+    names, key_type = first_look(meta, storage_options, options)
     if state_name is not None and state_name not in names:
-        names.update(_all_state_names(spark, base_path, meta, serializers, storage_options))
+        names.update(_all_state_names(spark, base_path, meta, serializers, storage_options, options))
         if state_name not in names:
             known = ", ".join(sorted(names)) or "none"
             raise StateReadError(f"checkpoint {meta.checkpoint_id} at {base_path} has no state {state_name!r} "
@@ -76,12 +81,12 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     def task(batches):  # pragma: no cover - runs in the Python worker
         from dstl.state.reader import open_checkpoint as _open
 
-        m_holder[:] = [_open(base_path, cid)]
+        m_holder[:] = [_open(base_path, cid, storage_options=storage_options)]
         enc = None if declared is not None else to_json
         for pdf in batches:
             for i in pdf["id"].tolist():
                 with restored_range(base_path, m_holder[0], ranges[i], serializers=serializers,
-                                    storage_options=storage_options) as backend:
+                                    storage_options=storage_options, options=options) as backend:
                     rows = []
                     for r in state_rows(backend, state_name, now_ms=now, encode=enc):
                         rows.append(r)
@@ -95,22 +100,22 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
 
 
 def read_timers(spark, base_path: str, *, checkpoint_id: Optional[int] = None, tasks: Optional[int] = None,
-                storage_options: Optional[Dict[str, Any]] = None):
+                storage_options: Optional[Dict[str, Any]] = None, options: Optional[Dict[str, Any]] = None):
     """The registered timers of a checkpoint as a Spark DataFrame: key, key_group, timestamp_ms."""
     from pyspark.sql import functions as F
 
-    meta = open_checkpoint(base_path, checkpoint_id)
-    names, key_type = first_look(meta, storage_options)
+    meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
+    names, key_type = first_look(meta, storage_options, options)
     if TIMER_STATE not in names:
-        names.update(_all_state_names(spark, base_path, meta, None, storage_options))
+        names.update(_all_state_names(spark, base_path, meta, None, storage_options, options))
     if TIMER_STATE not in names:
         return spark.createDataFrame([], _schema(key_type, ["key", "key_group"]) + ", timestamp_ms long")
     df = read_state(spark, base_path, TIMER_STATE, checkpoint_id=meta.checkpoint_id, tasks=tasks,
-                    storage_options=storage_options)
+                    storage_options=storage_options, options=options)
     return df.select("key", "key_group", F.col("user_key").cast("long").alias("timestamp_ms"))
 
 
-def _all_state_names(spark, base_path, meta, serializers, storage_options) -> Dict[str, str]:
+def _all_state_names(spark, base_path, meta, serializers, storage_options, options) -> Dict[str, str]:
     """Every state's name and kind, found by the executors (the driver reads no changelog)."""
     import pandas as pd
 
@@ -123,12 +128,12 @@ def _all_state_names(spark, base_path, meta, serializers, storage_options) -> Di
     def task(batches):  # pragma: no cover - runs in the Python worker
         from dstl.state.reader import open_checkpoint as _open
 
-        m = _open(base_path, cid)
+        m = _open(base_path, cid, storage_options=storage_options)
         for pdf in batches:
             for i in pdf["id"].tolist():
                 r = ranges[i]
                 with restored_range(base_path, m, KeyGroupRange(r.start, r.start), serializers=serializers,
-                                    storage_options=storage_options) as backend:
+                                    storage_options=storage_options, options=options) as backend:
                     yield pd.DataFrame({"name": backend.state_names,
                                         "kind": [backend.get_state(x).kind for x in backend.state_names]})
 
@@ -138,7 +143,8 @@ def _all_state_names(spark, base_path, meta, serializers, storage_options) -> Di
 
 
 def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int, *,
-                 serializers: Optional[Dict[str, Any]] = None, storage_options: Optional[Dict[str, Any]] = None):
+                 serializers: Optional[Dict[str, Any]] = None, storage_options: Optional[Dict[str, Any]] = None,
+                 options: Optional[Dict[str, Any]] = None):
     """Every state change after `from_checkpoint` up to `to_checkpoint` as a Spark DataFrame:
     checkpoint_id (the first checkpoint holding the change), key, key_group, state, op (update,
     clear, add, add_all, put, put_all, remove), user_key (JSON), value (JSON). One task per
@@ -147,10 +153,11 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
 
     from dstl.spark.session import ensure_importable_on_workers
 
-    work = [(cid, hb, entries) for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint)
+    work = [(cid, hb, entries) for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint,
+                                                                   storage_options=storage_options)
             for _, _, hb, entries in per_subtask]
-    meta = open_checkpoint(base_path, to_checkpoint)
-    _, key_type = first_look(meta, storage_options)
+    meta = open_checkpoint(base_path, to_checkpoint, storage_options=storage_options)
+    _, key_type = first_look(meta, storage_options, options)
     ensure_importable_on_workers(spark)
     schema = _schema(key_type, CHANGE_COLUMNS)
     if not work:
@@ -161,7 +168,7 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
             for i in pdf["id"].tolist():
                 cid, hb, entries = work[i]
                 rows = list(change_rows(base_path, cid, hb, entries, storage_options=storage_options,
-                                        serializers=serializers))
+                                        serializers=serializers, options=options))
                 if rows:
                     yield pd.DataFrame(rows, columns=CHANGE_COLUMNS)
 

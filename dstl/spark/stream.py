@@ -113,6 +113,11 @@ class StatefulStream:
     `materialize_every` (changes logged per subtask before a compact snapshot), `resume_from` (roll
     the job back to this retained checkpoint before the first batch; see `open`).
 
+    `storage_options`: the base path file system's keyword arguments, as pandas and fsspec take them
+    (`{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`); they reach every process
+    that opens it and are never written. `options`: dstl's storage options (`{"upload.mode": "thread"}`
+    or `dstl.dfs.*` keys; docs/options.md).
+
     On resume, each state the processor declares is compared with the schema recorded in the
     checkpoint it continues from (dstl.state.evolution): added fields read as null, removed ones are
     dropped, int -> long and float -> double widen, and the first batch converts the stored values
@@ -127,7 +132,8 @@ class StatefulStream:
                  max_parallelism: Optional[int] = None, time_mode: str = "None",
                  event_time_column: Optional[str] = None, watermark_delay: Any = None,
                  output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
-                 storage_options: Optional[Dict[str, Any]] = None, null_keys: str = "error",
+                 storage_options: Optional[Dict[str, Any]] = None, options: Optional[Dict[str, Any]] = None,
+                 null_keys: str = "error",
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
                  resume_from: Optional[int] = None, api: str = "pandas"):
@@ -173,7 +179,10 @@ class StatefulStream:
         self.event_time_column = event_time_column
         self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
         self.sink = sink
-        self.storage_options = _storage_mapping(self.base_path, storage_options)
+        from dstl.config import storage_config
+
+        # dstl's options and the file system's keyword arguments (in memory only; the repr hides them)
+        self.storage_config = storage_config(self.base_path, options, storage_options)
         self.null_keys = null_keys
         self.initial_state = initial_state
         self.clock = clock or (lambda: int(time.time() * 1000))
@@ -224,7 +233,7 @@ class StatefulStream:
         params = {"kind": "StatefulStream", "key": self.key, "time_mode": self.time_mode,
                   "event_time_column": self.event_time_column}
         spec = JobSpec.new(OPERATOR_ID, maxp or 0, self.output_path, params)
-        coord = CheckpointCoordinator.open(self.base_path, spec, self.storage_options, resume=exists,
+        coord = CheckpointCoordinator.open(self.base_path, spec, self.storage_config, resume=exists,
                                            retain=self.retain, backend_options=self.backend_options,
                                            output_layout=OUTPUT_LAYOUT, resume_from=self.resume_from)
         if self.parallelism > coord.spec.max_parallelism:
@@ -508,22 +517,6 @@ def _resume_point(base_path: str, resume_from: Optional[int]):
 def _absolute(path: str) -> str:
     """A relative local path (no scheme) made absolute against the driver's working directory."""
     return path if "://" in path or os.path.isabs(path) else os.path.abspath(path)
-
-
-def _storage_mapping(base_path: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The changelog storage's options: `dstl.dfs.*` keys (short keys get the prefix), validated, with
-    the job's base path as the storage base path unless given."""
-    from dstl.config import PREFIX, StorageConfig
-
-    mapping: Dict[str, Any] = {}
-    for k, v in (options or {}).items():
-        k = str(k).strip()
-        mapping[k if k.startswith(("dstl.", "state.changelog.")) else PREFIX + k] = v
-    mapping.setdefault(PREFIX + "base-path", base_path)
-    try:
-        return StorageConfig.from_mapping(mapping).to_mapping()
-    except ValueError as exc:
-        raise ValueError(f"storage_options: {exc}") from None
 
 
 def _parse_output_schema(schema: Any, spark_only: bool = False):

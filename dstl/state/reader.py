@@ -17,6 +17,9 @@ Rows of `read_state_pandas` (one per live value):
 
 Rows of `read_changes_pandas`: checkpoint_id (the first checkpoint that contains the change), key,
 key_group, state, op (update, clear, add, add_all, put, put_all, remove), user_key, value.
+
+`storage_options` everywhere: the base path file system's keyword arguments (key, secret,
+client_kwargs, ...), as pandas takes them; `options`: dstl's storage options (docs/options.md).
 """
 from __future__ import annotations
 
@@ -86,11 +89,14 @@ def to_json(v: Any) -> str:
 
 # ------------------------------------------------------------------ checkpoints and ranges
 
-def open_checkpoint(base_path: str, checkpoint_id: Optional[int] = None):
+def open_checkpoint(base_path: str, checkpoint_id: Optional[int] = None, *,
+                    storage_options: Optional[Dict[str, Any]] = None):
     """The metadata of `checkpoint_id` (default: the latest complete one) at `base_path`."""
+    from dstl.config import register_storage_options
     from dstl.state.metadata import (CheckpointMetadata, CorruptCheckpointError, latest_checkpoint,
                                      list_checkpoints, read_checkpoint)
 
+    register_storage_options(base_path, storage_options)  # before the first file system is opened
     try:
         ids = list_checkpoints(base_path)
     except (OSError, ValueError) as exc:
@@ -126,13 +132,14 @@ def key_group_ranges(max_parallelism: int, parts: int) -> List[KeyGroupRange]:
     return [compute_key_group_range_for_operator_index(max_parallelism, parts, i) for i in range(parts)]
 
 
-def _storage(base_path: str, job_id: Optional[str], storage_options: Optional[Dict[str, Any]]):
+def _storage(base_path: str, job_id: Optional[str], storage_options: Optional[Dict[str, Any]],
+             options: Any = None):
     from dstl.changelog.storage import FsStateChangelogStorage
+    from dstl.config import storage_config
 
-    opts = dict(storage_options or {})
-    opts.setdefault("dstl.dfs.base-path", base_path)
-    opts["dstl.dfs.upload.mode"] = "direct"  # nothing is uploaded: the reader never persists
-    return FsStateChangelogStorage(opts, job_id=job_id)
+    config = storage_config(base_path, options, storage_options)
+    # nothing is uploaded: the reader never persists
+    return FsStateChangelogStorage(config.replace(upload_mode="direct"), job_id=job_id)
 
 
 def _overlaps(a: KeyGroupRange, b: KeyGroupRange) -> bool:
@@ -142,9 +149,10 @@ def _overlaps(a: KeyGroupRange, b: KeyGroupRange) -> bool:
 class restored_range:
     """Context manager: a `KeyedStateBackend` holding checkpoint `meta`'s state of `kgr` only."""
 
-    def __init__(self, base_path: str, meta, kgr: KeyGroupRange, *, serializers=None, storage_options=None):
+    def __init__(self, base_path: str, meta, kgr: KeyGroupRange, *, serializers=None, storage_options=None,
+                 options=None):
         self.base_path, self.meta, self.kgr = base_path, meta, kgr
-        self.serializers, self.storage_options = serializers, storage_options
+        self.serializers, self.storage_options, self.options = serializers, storage_options, options
         self._storage = self._backend = None
 
     def __enter__(self):
@@ -152,7 +160,7 @@ class restored_range:
 
         snaps = [s.to_keyed_snapshot(self.meta.max_parallelism) for s in self.meta.subtasks
                  if _overlaps(s.key_group_range, self.kgr)]
-        self._storage = _storage(self.base_path, self.meta.job_id, self.storage_options)
+        self._storage = _storage(self.base_path, self.meta.job_id, self.storage_options, self.options)
         try:
             self._backend = KeyedStateBackend.restore(self._storage, _READER_OPERATOR, self.kgr,
                                                       self.meta.max_parallelism, snaps,
@@ -169,7 +177,7 @@ class restored_range:
             self._storage.close()
 
 
-def first_look(meta, storage_options=None):
+def first_look(meta, storage_options=None, options=None):
     """(state name -> kind, Python type of the keys or None), from the first change set of each of the
     checkpoint's handles only (states registered later in a log are not seen)."""
     from dstl.changelog.handles import ChangelogStateHandleStreamImpl
@@ -178,7 +186,13 @@ def first_look(meta, storage_options=None):
 
     names: Dict[str, str] = {}
     key_type = None
-    storage = _storage("memory://unused", None, storage_options)
+    from dstl.config import register_storage_options
+
+    # the handles name their files by full URL: the file system's arguments go with their folders
+    for folder in {h.path.rsplit("/", 1)[0] for s in meta.subtasks for hd in s.materialized + s.changelog
+                   for h, _ in hd.handles_and_offsets}:
+        register_storage_options(folder, storage_options)
+    storage = _storage("memory://unused", None, None, options)
     try:
         reader = storage.create_reader()
         for s in meta.subtasks:
@@ -310,15 +324,16 @@ def state_schema(meta, state_name: Optional[str]):
 
 def read_state_pandas(base_path: str, state_name: Optional[str] = None, *, checkpoint_id: Optional[int] = None,
                       key: Any = None, serializers: Optional[Dict[str, Any]] = None,
-                      storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None):
+                      storage_options: Optional[Dict[str, Any]] = None, now_ms: Optional[int] = None,
+                      options: Any = None):
     """The live state of a checkpoint (default: the latest) as a pandas DataFrame, one row per live
     value (see the module docstring for the columns). `key`: only this key (restores its key group
     only). For one state whose schema the job recorded, the value's fields are columns instead of
     `value`. `now_ms`: the time TTL expiry is judged at (default: now)."""
     import pandas as pd
 
-    meta = open_checkpoint(base_path, checkpoint_id)
-    kw = {"serializers": serializers, "storage_options": storage_options}
+    meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
+    kw = {"serializers": serializers, "storage_options": storage_options, "options": options}
     ranges = _ranges_for(meta, key)
     schema = state_schema(meta, state_name)
     rows: List[Tuple] = []
@@ -353,12 +368,12 @@ def read_timers_pandas(base_path: str, *, checkpoint_id: Optional[int] = None, k
     """The registered timers of a checkpoint: columns key, key_group, timestamp_ms (one row each)."""
     import pandas as pd
 
-    meta = open_checkpoint(base_path, checkpoint_id)
+    meta = open_checkpoint(base_path, checkpoint_id, storage_options=kw.get("storage_options"))
     ranges = _ranges_for(meta, key)
     rows = []
     for rng in ranges:
         with restored_range(base_path, meta, rng, serializers=kw.get("serializers"),
-                            storage_options=kw.get("storage_options")) as backend:
+                            storage_options=kw.get("storage_options"), options=kw.get("options")) as backend:
             if TIMER_STATE in backend.state_names:
                 rows.extend((r[0], r[1], r[4]) for r in state_rows(backend, TIMER_STATE, encode=None)
                             if key is None or r[0] == key)
@@ -383,7 +398,8 @@ _OPS = {  # (op code, state kind) -> change feed op name
 }
 
 
-def new_entries(base_path: str, from_checkpoint: int, to_checkpoint: int):
+def new_entries(base_path: str, from_checkpoint: int, to_checkpoint: int, *,
+                storage_options: Optional[Dict[str, Any]] = None):
     """For each retained checkpoint c in (from, to]: (c, [(subtask, kgr, [(file, offset), ...]), ...]),
     the change sets c's changelog handles reference that no earlier checkpoint in the range does.
 
@@ -393,7 +409,7 @@ def new_entries(base_path: str, from_checkpoint: int, to_checkpoint: int):
 
     if from_checkpoint >= to_checkpoint:
         raise StateReadError(f"--from ({from_checkpoint}) must be before --to ({to_checkpoint})")
-    first = open_checkpoint(base_path, from_checkpoint)
+    first = open_checkpoint(base_path, from_checkpoint, storage_options=storage_options)
     open_checkpoint(base_path, to_checkpoint)
     ids = [c for c in list_checkpoints(base_path) if from_checkpoint < c <= to_checkpoint]
     missing = [c for c in range(from_checkpoint + 1, to_checkpoint + 1) if c not in ids]
@@ -419,7 +435,7 @@ def new_entries(base_path: str, from_checkpoint: int, to_checkpoint: int):
 
 
 def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries, *,
-                storage_options=None, serializers=None) -> Iterator[Tuple]:
+                storage_options=None, serializers=None, options=None) -> Iterator[Tuple]:
     """CHANGE_COLUMNS tuples of the change sets `entries` [(file, size, offset)] of one changelog
     handle (its earlier change sets are read only for the state definitions they hold)."""
     from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
@@ -429,7 +445,7 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
     handle = ChangelogStateHandleStreamImpl.from_bytes(handle_bytes)
     wanted = {(p, off) for p, _, off in entries}
     kgr = handle.key_group_range
-    storage = _storage(base_path, None, storage_options)
+    storage = _storage(base_path, None, storage_options, options)
     try:
         reader = storage.create_reader()
         states: Dict[int, Any] = {}   # state id -> (name, kind, serializer); ids are per log
@@ -488,16 +504,18 @@ def _change_row(cid: int, kg: int, op: int, kind: str, name: str, ser, body, ttl
 
 
 def read_changes_pandas(base_path: str, from_checkpoint: int, to_checkpoint: int, *, key: Any = None,
-                        state_name: Optional[str] = None, storage_options=None, serializers=None):
+                        state_name: Optional[str] = None, storage_options=None, serializers=None,
+                        options=None):
     """Every state change after checkpoint `from_checkpoint` up to `to_checkpoint`, in log order per
     key group, as a pandas DataFrame (CHANGE_COLUMNS)."""
     import pandas as pd
 
     rows: List[Tuple] = []
-    for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint):
+    for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint,
+                                        storage_options=storage_options):
         for _, _, hb, entries in per_subtask:
             for r in change_rows(base_path, cid, hb, entries, storage_options=storage_options,
-                                 serializers=serializers):
+                                 serializers=serializers, options=options):
                 if (key is None or r[1] == key) and (state_name is None or r[3] == state_name):
                     rows.append(r)
     return pd.DataFrame(rows, columns=CHANGE_COLUMNS).astype({"checkpoint_id": "int64", "key_group": "int64"})

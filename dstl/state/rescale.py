@@ -26,9 +26,10 @@ def _never() -> int:
 
 def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Optional[int] = None,
                        serializers: Optional[Dict[str, Any]] = None,
-                       storage_options: Optional[Dict[str, Any]] = None):
+                       storage_options: Optional[Dict[str, Any]] = None, options: Any = None):
     """Rewrite the latest checkpoint at `base_path` with `max_parallelism` key groups (and
     `parallelism` subtasks, default: the old parallelism capped at the new max parallelism).
+    `storage_options`: the file system's keyword arguments; `options`: dstl's storage options.
     Returns the new checkpoint's metadata."""
     from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, assign_to_key_group
     from dstl.state import KeyedStateBackend
@@ -39,7 +40,7 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
     if isinstance(max_parallelism, bool) or not isinstance(max_parallelism, int) \
             or not 1 <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
         raise ValueError(f"--max-parallelism must be in 1..{UPPER_BOUND_MAX_PARALLELISM}, got {max_parallelism!r}")
-    old = open_checkpoint(base_path)
+    old = open_checkpoint(base_path, storage_options=storage_options)
     p = parallelism if parallelism is not None else min(old.parallelism, max_parallelism)
     if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= max_parallelism:
         raise ValueError(f"--parallelism must be in 1..{max_parallelism} (the new max parallelism), got {p!r}")
@@ -47,7 +48,7 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
     if len(ranges) != p:  # pragma: no cover - key_group_ranges caps at max parallelism
         raise ValueError(f"parallelism {p} exceeds max parallelism {max_parallelism}")
     new_id = old.checkpoint_id + 1
-    storage = _storage(base_path, old.job_id, storage_options)
+    storage = _storage(base_path, old.job_id, storage_options, options)
     # no TTL purge in an offline rewrite: expiry is judged in the job's own time (StatefulStream: the
     # batch timestamp), which the wall clock here may be far ahead of
     backends = [KeyedStateBackend(storage, _OPERATOR, r, max_parallelism, ttl_clock=_never)
@@ -57,7 +58,7 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
             if s.key_group_range.is_empty():
                 continue
             with restored_range(base_path, old, s.key_group_range, serializers=serializers,
-                                storage_options=storage_options) as src:
+                                storage_options=storage_options, options=options) as src:
                 for name in src.state_names:
                     st = src.get_state(name)
                     for b in backends:
