@@ -30,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_module=module)
         if name in _wanted:
             importlib.import_module(module).add_arguments(p)
+            if name in _FS_COMMANDS:
+                add_fs_option(p)
     return parser
+
+
+# commands that open a URL themselves (the state subcommands and the pipeline add the flag their own way)
+_FS_COMMANDS = ("inspect", "dump", "gc")
+
+
+def add_fs_option(p: argparse.ArgumentParser) -> None:
+    """`--fs-option NAME=VALUE`: a keyword argument of the URL's fsspec file system (repeatable)."""
+    p.add_argument("--fs-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a keyword argument of the URL's fsspec file system (repeatable), e.g. profile=minio, "
+                        "client_kwargs.endpoint_url=http://host:9000 (a dotted NAME fills a nested dict; a "
+                        "VALUE that parses as JSON, such as true or {...}, is that value)")
 
 
 _wanted: set = set()
@@ -43,6 +57,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     _wanted.update(a for a in argv[:1] if a in COMMANDS)
     args = build_parser().parse_args(argv)
     url = _remote_url(args)
+    name = " ".join(a for a in (args.command, getattr(args, "state_command", None)) if a)
+    if url is not None and getattr(args, "fs_option", None) and args.command != "pipeline":
+        from dstl.config import fs_options_from_flags, register_storage_options
+
+        try:  # before the probe: every file system opened on the URL's bucket uses them
+            register_storage_options(url, fs_options_from_flags(args.fs_option))
+        except ValueError as exc:
+            print(f"dstl {name}: error: {exc}", file=sys.stderr)
+            return 2
     try:
         if url is not None and args.command != "pipeline":  # the pipeline probes its paths itself
             from dstl.changelog.fs import probe_base_path
@@ -63,7 +86,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             if reason is None:
                 raise
             line = f"cannot reach {url or 'the store'}: {reason}"
-        name = " ".join(a for a in (args.command, getattr(args, "state_command", None)) if a)
         print(f"dstl {name}: error: {line}", file=sys.stderr)
         return 2
 

@@ -489,6 +489,36 @@ def parse_options(options: Optional[Mapping[str, Any]], where: str = "options", 
     return out
 
 
+def fs_options_from_flags(items: Any, flag: str = "--fs-option") -> Dict[str, Any]:
+    """Command-line `--fs-option NAME=VALUE` items as the file system's keyword arguments: a dotted
+    NAME fills a nested dict (`client_kwargs.endpoint_url=...`); a VALUE that parses as JSON (`true`,
+    `5`, `{...}`, `"12345"`) is that value, any other VALUE the string itself. ValueError names the
+    problem, never the value."""
+    import json
+
+    out: Dict[str, Any] = {}
+    for item in items or ():
+        if "=" not in item:  # not echoed: it may be a credential
+            raise ValueError(f"{flag} expects NAME=VALUE; an argument has no '='")
+        name, text = item.split("=", 1)
+        name, parts = name.strip(), name.strip().split(".")
+        if dstl_option_key(name) is not None or name.startswith(("fs.", "dstl.", "state.changelog.")) \
+                or not all(parts):
+            fs_options_of({name: None}, flag, cli=True)  # raises, saying where it goes
+        fs_options_of({parts[0]: None}, flag, cli=True)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{flag} {name}: {part} is given both as a value and as a dict")
+        node[parts[-1]] = value
+    return out
+
+
 def storage_config(base_path: Any = None, options: Any = None,
                    storage_options: Optional[Mapping[str, Any]] = None) -> StorageConfig:
     """The validated `StorageConfig` of dstl `options` (a mapping in any spelling, or a StorageConfig)
@@ -519,4 +549,4 @@ def register_storage_options(url: str, storage_options: Optional[Mapping[str, An
 
 __all__ = ["StorageConfig", "parse_duration_ms", "parse_memory_size", "parse_bool", "parse_int",
            "canonical_key", "OPTIONS", "PREFIX", "PREFIX_2X", "FS_PREFIX", "dstl_option_key", "fs_options_of",
-           "parse_options", "storage_config", "register_storage_options"]
+           "parse_options", "storage_config", "register_storage_options", "fs_options_from_flags"]

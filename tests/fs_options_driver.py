@@ -53,7 +53,9 @@ def main(base: str, event_log: str) -> None:
     for users in (["a", "b", "a", "c"], ["a", "c", "d"]):
         stream.run(spark.createDataFrame(pd.DataFrame({"user": users})))
     for b in (0, 1):
-        out.extend(sorted((r["user"], int(r["n"])) for r in spark.read.parquet(f"{base}/output/batch_id={b}").collect()))
+        # the same dict pandas takes: storage_options means what it means there
+        df = pd.read_parquet(f"{base}/output/batch_id={b}", storage_options=fs_options)
+        out.extend(sorted(zip(df["user"], df["n"].astype(int).tolist())))
     plan = stream.coordinator.plan(stream.coordinator.next_batch, 2)
     state = read_state_pandas(base, "n", storage_options=fs_options)
     spark_state = read_state(spark, base, "n", storage_options=fs_options).toPandas()

@@ -109,6 +109,30 @@ def test_open_storage_takes_options_and_file_system_arguments(tmp_path):
         open_storage(str(tmp_path), options={"upload_mode": "direct"}, upload_mode="thread")
 
 
+def test_pipeline_flags_split_dstl_options_from_file_system_arguments(tmp_path):
+    """`dstl pipeline --option K=V --fs-option NAME=V`: a dotted name fills a nested dict, a JSON
+    value is that value, anything else a string; both land where the API puts them."""
+    import argparse
+
+    from dstl.app import pipeline
+
+    p = argparse.ArgumentParser()
+    pipeline.add_arguments(p)
+    base = "memory://fsopt-cli/" + uuid.uuid4().hex
+    args = p.parse_args(["--base-path", base, "--option", "upload.mode=thread", "--option",
+                         "dstl.dfs.upload.timeout=2s", "--fs-option", "key=12AB", "--fs-option", "secret=\"12345\"",
+                         "--fs-option", "client_kwargs.endpoint_url=http://127.0.0.1:1",
+                         "--fs-option", "client_kwargs.region_name=eu-1", "--fs-option", "use_ssl=false",
+                         "--fs-option", "config_kwargs={\"retries\": {\"max_attempts\": 2}}"])
+    opts = pipeline.check_options(args)
+    config = opts.storage
+    assert config.upload_mode == "thread" and config.upload_timeout_ms == 2000 and config.base_path == base
+    assert config.fs_options == {"key": "12AB", "secret": "12345", "use_ssl": False,
+                                 "client_kwargs": {"endpoint_url": "http://127.0.0.1:1", "region_name": "eu-1"},
+                                 "config_kwargs": {"retries": {"max_attempts": 2}}}
+    assert dfs.options_for(base + "/checkpoints")["secret"] == "12345"
+
+
 def _clean_env(**extra):
     """This process's environment without any AWS credentials or endpoint (and no instance role
     lookup: only 127.0.0.1 is ever contacted)."""
@@ -240,3 +264,14 @@ def test_a_stream_whose_only_credentials_are_its_storage_options(s3_server, s3_b
     assert os.listdir(events), "Spark wrote no event log: the check would prove nothing"
     text = log_file.read_text()
     assert text.strip() and secret not in text and key not in text
+
+    # the command line: `dstl state` reaches the job only through its --fs-option flags
+    flags = ["--fs-option", f"key={key}", "--fs-option", f"secret={secret}",
+             "--fs-option", f"client_kwargs.endpoint_url={s3_server}"]
+    cli = [sys.executable, "-m", "dstl", "state", "show", base, "--state", "n", "--json"]
+    r = subprocess.run(cli + flags, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shown = sorted((row["key"], json.dumps(row["value"])) for row in json.loads(r.stdout))
+    assert [list(x) for x in shown] == expected
+    r = subprocess.run(cli, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "no credentials found" in r.stderr, r.stderr[-2000:]

@@ -123,43 +123,15 @@ def _check_location(url: str, what: str) -> None:
 def _pairs(flag: str, items: List[str]) -> List[tuple]:
     out = []
     for item in items:
-        if "=" not in item:  # not echoed: a file system argument may be a credential
-            _fail(f"{flag} expects {'NAME' if flag == '--fs-option' else 'KEY'}=VALUE; an argument has no '='")
+        if "=" not in item:
+            _fail(f"{flag} expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         out.append((k.strip(), v))
     return out
 
 
-def _fs_value(text: str) -> Any:
-    """A JSON value when the text parses as one (true, 5, {...}), else the text itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _fs_options(args) -> Dict[str, Any]:
-    """--fs-option NAME=VALUE pairs as fsspec keyword arguments; `a.b=v` sets {"a": {"b": v}}."""
-    from dstl.config import dstl_option_key, fs_options_of
-
-    out: Dict[str, Any] = {}
-    for name, value in _pairs("--fs-option", args.fs_option):
-        parts = name.split(".")
-        if dstl_option_key(name) is not None or name.startswith(("fs.", "dstl.", "state.changelog.")) \
-                or not all(parts):
-            fs_options_of({name: None}, "--fs-option", cli=True)  # raises, saying where it goes
-        fs_options_of({parts[0]: None}, "--fs-option", cli=True)
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                _fail(f"--fs-option {name}: {part} is given both as a value and as a dict")
-        node[parts[-1]] = _fs_value(value.strip())
-    return out
-
-
 def _storage_config(args):
-    from dstl.config import parse_options, storage_config
+    from dstl.config import fs_options_from_flags, parse_options, storage_config
 
     if args.storage_option:
         name = args.storage_option[0].split("=", 1)[0].strip()
@@ -168,7 +140,7 @@ def _storage_config(args):
         _fail(f"--storage-option is gone: use {hint}")
     try:
         options = parse_options({k: v.strip() for k, v in _pairs("--option", args.option)}, "--option", cli=True)
-        config = storage_config(args.base_path, options, _fs_options(args))
+        config = storage_config(args.base_path, options, fs_options_from_flags(args.fs_option))
     except ValueError as exc:
         text = str(exc)
         _fail("--option: " + text[len("options: "):] if text.startswith("options: ") else text)

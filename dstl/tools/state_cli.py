@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for q in (ls, show, changes, rescale, verify):
         q.add_argument("base_path", metavar="BASE", help="the job's base path (any fsspec URL)")
         q.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        q.add_argument("--fs-option", action="append", default=[], metavar="NAME=VALUE",
+                       help="a keyword argument of the base path's fsspec file system (repeatable), e.g. "
+                            "profile=minio, client_kwargs.endpoint_url=http://host:9000")
     show.add_argument("--state", default=None, help="only this state")
     show.add_argument("--key", default=None, help="only this key (an int key is given as its digits)")
     show.add_argument("--checkpoint", type=int, default=None, help="checkpoint id (default: the latest)")
