@@ -283,6 +283,12 @@ class StorageConfig:
         if self.fs_options:
             register_options(self.base_path, self.fs_options)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # unpickled in another process (a Spark Connect foreachBatch worker): register there too
+        self.__dict__.update(state)
+        if self.fs_options:
+            register_options(self.base_path, self.fs_options)
+
     def _validate(self) -> None:
         def need(ok: bool, field: str, why: str) -> None:
             if not ok:

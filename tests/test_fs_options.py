@@ -44,6 +44,23 @@ def test_fs_options_parse_and_never_show():
         StorageConfig.from_mapping({"dstl.dfs.base-path": "/tmp/x", "dstl.dfs.endpoint_url": "http://h"})
 
 
+def test_an_unpickled_config_registers_its_file_system_arguments():
+    """A StatefulStream pickled to a Spark Connect foreachBatch worker carries its StorageConfig:
+    unpickling it registers the arguments in that process, before the job's first file system."""
+    import pickle
+
+    from dstl import config as C
+
+    base = "memory://fsopt-pickle/" + uuid.uuid4().hex
+    blob = pickle.dumps(storage_config(base, None, {"key": "K", "secret": "S"}))
+    with C._OPTIONS_LOCK:
+        for p in [p for p in C._OPTIONS if p.startswith("memory://fsopt-pickle")]:
+            del C._OPTIONS[p]
+    assert dfs.options_for(base) == {}
+    again = pickle.loads(blob)
+    assert again.fs_options == {"key": "K", "secret": "S"} and dfs.options_for(base + "/x")["secret"] == "S"
+
+
 # (storage_options, options, the one-line error: where the name goes now)
 MISPLACED = [
     ({"dstl.dfs.upload.mode": "thread"}, None,

@@ -385,6 +385,9 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
     from dstl.spark.session import executor_id
 
     if not plan.durable:
+        from dstl.config import StorageConfig
+
+        StorageConfig.of(plan.storage_mapping)  # no storage, but the output needs the file system's arguments
         return _run_in_memory(plan, fn, rows, subtask, attempt, arrow_schema)
     _quiet_expected_warnings()
     storage = storage_for(plan.job_id, plan.storage_mapping)
