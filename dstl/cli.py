@@ -59,7 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     url = _remote_url(args)
     name = " ".join(a for a in (args.command, getattr(args, "state_command", None)) if a)
     if url is not None and getattr(args, "fs_option", None) and args.command != "pipeline":
-        from dstl.config import fs_options_from_flags, register_storage_options
+        from dstl.changelog.fs import fs_options_from_flags, register_storage_options
 
         try:  # before the probe: every file system opened on the URL's bucket uses them
             register_storage_options(url, fs_options_from_flags(args.fs_option))

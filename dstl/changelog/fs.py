@@ -10,7 +10,7 @@ import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 # the registry of fsspec options lives with the options (dstl.config); re-exported here
-from dstl.config import _prefix, options_for, register_options
+from dstl.config import _prefix, fs_options_from_flags, options_for, register_options, register_storage_options
 from dstl.errors import DstlError
 
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
@@ -295,7 +295,8 @@ def probe_base_path(base_path: str) -> None:
 
 
 __all__ = ["filesystem", "is_local", "root_of", "url_of", "key", "key_of_url", "join", "changelog_dir",
-           "validate_base_path", "register_options", "options_for", "has_atomic_create", "create_file", "replace_file",
+           "validate_base_path", "register_options", "options_for", "register_storage_options",
+           "fs_options_from_flags", "has_atomic_create", "create_file", "replace_file",
            "probe_base_path", "StoreUnreachableError", "unreachable_reason"]
 
 _load_options_env()  # the upload service and its uploaders: options from the client that started it
