@@ -180,9 +180,10 @@ def test_service_config_file_and_bad_runtime_dir(runtime, tmp_path):
     s.close()
     long_dir = "/tmp/" + "x" * 120
     os.environ["DSTL_RUNTIME_DIR"] = long_dir
-    try:
-        with pytest.raises(OSError, match="too long"):
-            ServicePaths.for_config(c1)
+    try:  # a runtime directory too long for a socket path is reached through a short link
+        paths = ServicePaths.for_config(c1)
+        assert paths.directory.startswith(long_dir) and not paths.socket.startswith(long_dir)
+        assert os.path.realpath(os.path.dirname(paths.socket)) == os.path.realpath(paths.directory)
     finally:
         os.environ["DSTL_RUNTIME_DIR"] = runtime.root
         shutil.rmtree(long_dir, ignore_errors=True)

@@ -26,9 +26,14 @@ WORKER_WAIT_S = 30.0  # longest wait for a healthy uploader before an attempt fa
 PRELOAD = ["dstl.changelog.upload.service.worker", "dstl.changelog.upload.uploader", "dstl.format", "dstl.changelog.handles", "fsspec"]
 
 
-def service_context():
-    """The multiprocessing context for the service's children (forkserver with upload modules preloaded)."""
+def service_context(socket_tmp_dir: Optional[str] = None):
+    """The multiprocessing context for the service's children (forkserver with upload modules
+    preloaded); with `socket_tmp_dir`, multiprocessing's temporary directory, where the forkserver's
+    listener socket goes, is made below it (a short spelling of the service's `tmp/`)."""
     import multiprocessing
+
+    if socket_tmp_dir is not None:
+        _mp_temp_dir_below(socket_tmp_dir)
 
     from dstl.changelog.upload.service.worker import user_modules
 
@@ -36,6 +41,32 @@ def service_context():
     # user modules too (DSTL_SERVICE_IMPORTS): a replacement worker is then a bare fork
     ctx.set_forkserver_preload(PRELOAD + user_modules())
     return ctx
+
+
+def _mp_temp_dir_below(directory: str) -> str:
+    """Have multiprocessing make its per-process temporary directory below `directory`.
+
+    It makes that directory once per process, on first use, below tempfile's directory (TMPDIR, the
+    service's long `tmp/`), and binds the forkserver's listener in it; with the short spelling of
+    the same directory the socket path fits. Raises OSError naming the path if it does not."""
+    import tempfile
+    from multiprocessing import util
+
+    from dstl.changelog.upload.service.runtime import SUN_PATH_MAX
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    saved = tempfile.tempdir
+    tempfile.tempdir = directory
+    try:
+        made = util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+    listener = os.path.join(made, "listener-12345678")
+    if len(os.fsencode(listener)) >= SUN_PATH_MAX:
+        raise OSError(f"the forkserver's socket {listener} would be {len(os.fsencode(listener))} bytes long, "
+                      f"over the {SUN_PATH_MAX - 1}-byte limit of a Unix socket path; set DSTL_RUNTIME_DIR "
+                      "to a shorter directory")
+    return made
 
 
 class _Worker:

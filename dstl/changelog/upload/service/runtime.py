@@ -12,6 +12,12 @@ with different compression must not share files), hashed into a short key. Its d
 * `service.log` stderr of the service and its children
 * `tmp/`      the service's temporary files (multiprocessing's `pymp-*` forkserver directory)
 
+A Unix socket's path is limited to 108 bytes on Linux and 104 on macOS. Where the socket or the
+forkserver's listener below a service directory would be longer (a long `TMPDIR` or
+`DSTL_RUNTIME_DIR`), both are reached through a short symbolic link to the runtime directory,
+`/tmp/dstl-sock-<uid>/<16 hex>` (or below `$XDG_RUNTIME_DIR`; `socket_root`): the files stay in the
+service directory, only their spelling is short.
+
 Nothing is left behind (docs/service.md): a service that exits with an empty journal removes its
 directory, and a client that starts sweeps the directories of services that died (`sweep_stale`),
 except those whose journal still holds unconfirmed work: the next service for that configuration
@@ -26,6 +32,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -83,6 +90,93 @@ def service_key(config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# sun_path holds 108 bytes on Linux, 104 on macOS and the BSDs, the terminating NUL included
+SUN_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
+# the longest socket path below a runtime root: "/<16 hex>/tmp/pymp-xxxxxxxx/listener-xxxxxxxx"
+# (multiprocessing's forkserver listener in the service's temporary directory)
+SOCKET_TAIL = len("/0123456789abcdef/tmp/pymp-12345678/listener-12345678")
+LINK_DIR_PREFIX = "dstl-sock-"
+
+
+def _fits(root: str) -> bool:
+    return len(os.fsencode(root)) + SOCKET_TAIL < SUN_PATH_MAX
+
+
+def _link_bases() -> list:
+    bases = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        bases.append(xdg)
+    bases.append("/tmp")
+    return bases
+
+
+def socket_root(root: str) -> str:
+    """`root` spelled short enough for every socket below it: `root` itself when it fits, else a
+    symbolic link to it, `<base>/dstl-sock-<uid>/<16 hex of root>`, in the first base of
+    `$XDG_RUNTIME_DIR` and /tmp where one can be kept (a directory of this user's, mode 0700).
+    Raises OSError, one line naming the path, the limit and the variable to set, if none can."""
+    if _fits(root):
+        return root
+    name = hashlib.sha256(os.fsencode(root)).hexdigest()[:16]
+    tried = []
+    for base in _link_bases():
+        link_dir = os.path.join(base, f"{LINK_DIR_PREFIX}{os.getuid()}")
+        link = os.path.join(link_dir, name)
+        tried.append(link_dir)
+        if not _fits(link):
+            continue
+        try:
+            _ensure_link(link_dir, link, root)
+        except OSError as exc:
+            _log().debug("no socket link in %s: %s", link_dir, exc)
+            continue
+        return link
+    longest = len(os.fsencode(root)) + SOCKET_TAIL
+    raise OSError(f"the upload service's sockets below {root} would be {longest} bytes long, over the "
+                  f"{SUN_PATH_MAX - 1}-byte limit of a Unix socket path, and no short link to it could be made "
+                  f"in {' or '.join(tried)}; set DSTL_RUNTIME_DIR to a directory of at most "
+                  f"{SUN_PATH_MAX - 1 - SOCKET_TAIL} characters")
+
+
+def _ensure_link(link_dir: str, link: str, target: str) -> None:
+    """`link` -> `target`, in `link_dir` (made 0700; refused unless it is this user's own directory)."""
+    os.makedirs(link_dir, mode=0o700, exist_ok=True)
+    st = os.lstat(link_dir)
+    import stat as _stat
+
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{link_dir} is not a directory of this user's with mode 0700")
+    try:
+        if os.readlink(link) == target:
+            return
+    except FileNotFoundError:
+        pass
+    tmp = f"{link}.{os.getpid()}.{secrets.token_hex(3)}"
+    os.symlink(target, tmp)
+    os.replace(tmp, link)  # atomic: a racing client sees the old link or the new one
+
+
+def sweep_socket_links() -> int:
+    """Remove this user's socket links whose runtime directory is gone; returns how many."""
+    removed = 0
+    for base in _link_bases():
+        link_dir = os.path.join(base, f"{LINK_DIR_PREFIX}{os.getuid()}")
+        try:
+            names = os.listdir(link_dir)
+        except OSError:
+            continue
+        for name in names:
+            link = os.path.join(link_dir, name)
+            if os.path.islink(link) and not os.path.exists(link):
+                try:
+                    os.unlink(link)
+                    removed += 1
+                except OSError:
+                    pass
+    return removed
+
+
 @dataclass(frozen=True)
 class ServicePaths:
     """The files of one service directory."""
@@ -94,10 +188,15 @@ class ServicePaths:
         d = os.path.join(runtime_root(), service_key(config))
         os.makedirs(d, mode=0o700, exist_ok=True)
         paths = cls(d)
-        if len(paths.socket) > 100:  # AF_UNIX path limit is 108 bytes including the NUL
-            raise OSError(f"runtime directory path too long for a Unix socket: {paths.socket!r}; "
-                          "set DSTL_RUNTIME_DIR to a shorter directory")
+        paths.socket_directory  # noqa: B018  (fails early, with the fix, where no short spelling exists)
         return paths
+
+    @property
+    def socket_directory(self) -> str:
+        """This directory as spelled for its sockets: itself, or through the short link to its
+        runtime root (`socket_root`; made or mended on the way)."""
+        parent, name = os.path.split(self.directory)
+        return os.path.join(socket_root(parent), name)
 
     @property
     def lock(self) -> str:
@@ -105,7 +204,8 @@ class ServicePaths:
 
     @property
     def socket(self) -> str:
-        return os.path.join(self.directory, "sock")
+        """The socket clients connect to (short enough to bind: see `socket_directory`)."""
+        return os.path.join(self.socket_directory, "sock")
 
     @property
     def authkey_file(self) -> str:
@@ -131,6 +231,12 @@ class ServicePaths:
     def tmp_dir(self) -> str:
         """TMPDIR of the service and its children (their temporary files go with the directory)."""
         return os.path.join(self.directory, "tmp")
+
+    @property
+    def socket_tmp_dir(self) -> str:
+        """`tmp_dir` spelled for sockets: multiprocessing's temporary directory (its forkserver
+        listener) is made below this one."""
+        return os.path.join(self.socket_directory, "tmp")
 
     def authkey(self, create: bool = False) -> bytes:
         """The shared secret of this service directory (created once, 0600)."""
@@ -343,6 +449,10 @@ def sweep_stale(root: Optional[str] = None) -> dict:
     except OSError as exc:
         _log().warning("could not sweep the runtime directory: %s", exc)
     try:
+        sweep_socket_links()
+    except OSError as exc:
+        _log().warning("could not sweep socket links: %s", exc)
+    try:
         out["download_caches"] = sweep_download_caches()
     except OSError as exc:
         _log().warning("could not sweep download caches: %s", exc)
@@ -361,5 +471,5 @@ def _log():
     return logging.getLogger(__name__)
 
 
-__all__ = ["runtime_root", "service_key", "service_fingerprint", "ServicePaths", "file_lock", "pid_alive",
+__all__ = ["runtime_root", "socket_root", "sweep_socket_links", "SUN_PATH_MAX", "service_key", "service_fingerprint", "ServicePaths", "file_lock", "pid_alive",
            "normalize_base_path", "journal_has_work", "remove_if_idle", "sweep_runtime_dirs", "sweep_stale"]

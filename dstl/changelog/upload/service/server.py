@@ -44,6 +44,7 @@ from dstl.changelog.upload.task import UploadTask
 log = logging.getLogger("dstl.changelog.upload.service")
 
 LINGER_MS_DEFAULT = 2000
+DIRECTORY_CHECK_S = 1.0  # how often the service checks that its runtime directory is still there
 _batch_ids = itertools.count(1)
 _attempt_ids = itertools.count(1)
 _REGION_POLL_S = 0.05  # how often a waiting attempt checks whether its action was decided meanwhile
@@ -269,6 +270,8 @@ class UploadService:
         self.clients: Dict[str, _Client] = {}
         self.linger_timer: Optional[threading.Timer] = None
         self.stopping = False
+        self.orphaned = False  # the service directory was removed under us (see _orphan)
+        self._dir_id: Optional[tuple] = None
         self.terminated = False  # set by the SIGTERM handler (a plain attribute: no locks there)
         self.stopped = threading.Event()
         self.listener: Optional[Listener] = None
@@ -301,7 +304,9 @@ class UploadService:
         with open(self.paths.pid_file + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {self.instance}\n")
         os.replace(self.paths.pid_file + ".tmp", self.paths.pid_file)
-        self.ctx = service_context()
+        st = os.stat(self.paths.directory)
+        self._dir_id = (st.st_dev, st.st_ino)
+        self.ctx = service_context(self.paths.socket_tmp_dir)
         self.pool = UploaderPool(self.ctx, self.config.upload_num_threads)
         self.registry = RegistryForwarder(self.ctx, self.paths.journal_dir, self.config.discard_num_threads,
                                           self.config.base_path)
@@ -310,9 +315,38 @@ class UploadService:
         self._arm_linger()
         # polled, not a bare wait(): the SIGTERM handler must not take the Event's lock (it may
         # interrupt this very thread while it holds it)
+        checked = time.monotonic()
         while not self.stopped.wait(0.2) and not self.terminated:
-            pass
+            if not self.orphaned and time.monotonic() - checked >= DIRECTORY_CHECK_S:
+                checked = time.monotonic()
+                if not self._directory_is_ours():
+                    self._orphan()
         self._shutdown()
+
+    def _directory_is_ours(self) -> bool:
+        """Whether the service directory is still the one this service started in (a temp cleaner
+        may have removed it, and a client made a new one for a fresh service since)."""
+        try:
+            st = os.stat(self.paths.directory)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._dir_id
+
+    def _orphan(self) -> None:
+        """Our directory is gone: no client can find us any more (the next one starts a fresh
+        service), so take no new connections, finish what the connected clients send, and exit
+        once idle without touching any file of that path (it may be a fresh service's now)."""
+        with self.lock:
+            if self.orphaned:
+                return
+            self.orphaned = True
+        log.warning("the runtime directory %s was removed or replaced: this service takes no new clients, "
+                    "finishes the work it holds and exits when idle", self.paths.directory)
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        self._arm_linger()
 
     def _start_children(self) -> None:
         try:
@@ -320,9 +354,10 @@ class UploadService:
             # every client (and attempt) of an earlier service is gone: their shares become orphans
             self.registry.submit("drop_client", "*", int(time.time() * 1000))
             self.pool.start()
-        except Exception:
+        except Exception as exc:
             log.exception("the upload service could not start its processes")
-            self.scheduler.fail_later_uploads(OSError("the upload service could not start its processes"))
+            self.scheduler.fail_later_uploads(OSError(f"the upload service could not start its processes: "
+                                                      f"{type(exc).__name__}: {exc}"))
         self._ready.set()
 
     def _accept_loop(self) -> None:
@@ -330,7 +365,7 @@ class UploadService:
             try:
                 conn = self.listener.accept()
             except Exception:
-                if self.stopping:
+                if self.stopping or self.orphaned:
                     return
                 log.warning("rejected a connection", exc_info=True)
                 continue
@@ -349,22 +384,34 @@ class UploadService:
                 self.linger_timer.start()
 
     def _linger_expired(self) -> None:
-        # the file lock orders this against clients connecting (they hold it while saying hello)
-        with file_lock(self.paths.lock):
-            with self.lock:
-                self.linger_timer = None
-                if self.clients or self._busy() or self.stopping:
-                    return
-                self.stopping = True
+        if not self.orphaned and self._directory_is_ours():
+            try:
+                # the file lock orders this against clients connecting (they hold it while saying hello)
+                with file_lock(self.paths.lock):
+                    if self._directory_is_ours():
+                        self._stop_if_idle(own_files=True)
+                        return
+            except FileNotFoundError:  # removed while we waited for its lock
+                pass
+        self._orphan()
+        self._stop_if_idle(own_files=False)
+
+    def _stop_if_idle(self, own_files: bool) -> None:
+        with self.lock:
+            self.linger_timer = None
+            if self.clients or self._busy() or self.stopping:
+                return
+            self.stopping = True
+        if own_files:
             for p in (self.paths.socket, self.paths.pid_file):
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-            try:
-                self.listener.close()
-            except OSError:
-                pass
+        try:
+            self.listener.close()
+        except OSError:
+            pass
         self.stopped.set()
 
     def _shutdown(self) -> None:
@@ -374,7 +421,8 @@ class UploadService:
             self.listener.close()
         except OSError:
             pass
-        if self.paths.read_pid() == os.getpid():  # SIGTERM: the linger path removed them already
+        own = not self.orphaned and self._directory_is_ours()
+        if own and self.paths.read_pid() == os.getpid():  # SIGTERM: the linger path removed them already
             for p in (self.paths.socket, self.paths.pid_file):
                 try:
                     os.unlink(p)
@@ -390,7 +438,8 @@ class UploadService:
             log.warning("unlinked %d shared memory segments left by clients", n)
         from dstl.changelog.upload.service.runtime import remove_if_idle
 
-        remove_if_idle(self.paths, own_pid=os.getpid())  # nothing left to replay: nothing left behind
+        if own:
+            remove_if_idle(self.paths, own_pid=os.getpid())  # nothing left to replay: nothing left behind
 
     # ---- clients ---------------------------------------------------------------------------
     def _serve_client(self, conn) -> None:
