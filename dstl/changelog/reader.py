@@ -8,6 +8,7 @@ the storage until they have been idle for `download.local-cache.idle-timeout-ms`
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -148,6 +149,7 @@ class DownloadCache:
         self._closed = False
         self.downloads = 0  # files fetched from their filesystem
         self.hits = 0       # opens served from an existing temp file
+        self._full = False  # the last download failed for want of space (see _uncached)
 
     def applies_to(self, handle: StreamStateHandle) -> bool:
         """False for files on the local disk (read in place) and in fsspec's in-process memory fs."""
@@ -181,7 +183,12 @@ class DownloadCache:
             entry.ready.wait()
         if entry.error is not None:
             self._release(path, entry)
+            if isinstance(entry.error, OSError) and entry.error.errno in (errno.ENOSPC, errno.EDQUOT):
+                return self._uncached(handle, entry.error)
             raise entry.error
+        if owner and self._full:
+            self._full = False
+            log.warning("the download cache %s has room again: downloads are cached again", self.directory)
         try:
             with open(entry.file, "rb") as f:
                 mapped = _map_file(f)
@@ -193,6 +200,15 @@ class DownloadCache:
             with self._lock:
                 self.hits += 1
         return _Source(path, mapped, mapped, on_close=lambda: self._release(path, entry))
+
+    def _uncached(self, handle: StreamStateHandle, exc: OSError) -> _Source:
+        """The file read straight from its filesystem into memory: the cache's disk is full (logged
+        once per full spell; the next download tries the disk again)."""
+        if not self._full:
+            self._full = True
+            log.warning("the download cache %s is full (%s): changelog files are read from the base path "
+                        "without caching until it has room again", self.directory, exc.strerror or exc)
+        return _open_direct(handle)
 
     def _download(self, handle: StreamStateHandle, entry: _Entry) -> None:
         tmp = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import mmap
 import os
@@ -231,6 +232,27 @@ def _open_local_exclusive(path: str, size: Optional[int]):
         raise
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_full_dirs: set = set()  # local-recovery directories found full and not written to since
+_full_lock = threading.Lock()
+
+
+def _note_local_full(local_dir: str, exc: OSError) -> None:
+    with _full_lock:
+        first = local_dir not in _full_dirs
+        _full_dirs.add(local_dir)
+    if first:
+        log.warning("the local-recovery directory %s is full (%s): changelog files go to the base path "
+                    "only, without a local copy, until it has room again", local_dir, exc.strerror or exc)
+
+
+def _note_local_ok(local_dir: str) -> None:
+    if local_dir in _full_dirs:
+        with _full_lock:
+            _full_dirs.discard(local_dir)
+        log.warning("the local-recovery directory %s has room again: local copies resume", local_dir)
+
+
 def _file_size(bodies, compression: Optional[str]) -> Optional[int]:
     """The exact file size of raw `bodies` (flag byte + bodies); None when compressed (unknown)."""
     if compression is not None:
@@ -318,17 +340,38 @@ class StateChangeFsUploader(StateChangeUploader):
                delegate=None) -> UploadTasksResult:
         """One attempt. `file_name` (default: a fresh uuid4) is the name of the file in the job's
         directory; the upload service passes one it announced beforehand. `delegate` writes the
-        regions of `HeldSpan` bodies (raw local files only; see `_write_raw`)."""
+        regions of `HeldSpan` bodies (raw local files only; see `_write_raw`).
+
+        A local-recovery directory that is full (ENOSPC, EDQUOT) costs the file its local copy,
+        not the upload: the attempt writes the file again without one (logged once per full spell)."""
         if file_name is not None and (not file_name or "/" in file_name or file_name in (".", "..")):
             raise ValueError(f"invalid changelog file name {file_name!r}")
         self.metrics.upload_requests.inc()
+        with_local = self._local_dir is not None
+        if with_local:
+            try:
+                result = self._upload(tasks, file_name, delegate, True)
+            except OSError as exc:
+                if exc.errno not in _FULL:
+                    raise
+                # the local copy's file system or the base path's is full: without the copy, a
+                # success says it was the former (a full local base path fails again, as before)
+                result = self._upload(tasks, file_name, delegate, False)
+                _note_local_full(self._local_dir, exc)
+                return result
+            _note_local_ok(self._local_dir)
+            return result
+        return self._upload(tasks, file_name, delegate, False)
+
+    def _upload(self, tasks: Sequence[UploadTask], file_name: Optional[str], delegate,
+                with_local: bool) -> UploadTasksResult:
         start = time.perf_counter_ns()
         # batch order between tasks, (log id, sqn) order inside a task (docs/format.md §5.1)
         ordered = [(t, sorted(t.change_sets, key=lambda cs: cs.sort_key())) for t in tasks]
         bodies = [cs.body for _, sets in ordered for cs in sets]
         name = file_name if file_name is not None else str(uuid.uuid4())
         path = f"{self._dir}/{name}"
-        local_path = os.path.join(self._local_dir, name) if self._local_dir else None
+        local_path = os.path.join(self._local_dir, name) if with_local else None
         created = []
         size = _file_size(bodies, self.compression)
         # raw bodies to the local disk go to the file descriptors, without Python per piece

@@ -20,6 +20,7 @@ the same way, and handles already returned stay readable (they are plain files).
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import logging
 import os
@@ -880,8 +881,17 @@ def open_service_client(config, job_id: str, metrics=None, local_recovery_dir: O
     if local_recovery_dir:  # the service resolves paths in its own working directory
         local_recovery_dir = os.path.abspath(local_recovery_dir)
     _sweep_once()
-    paths = ServicePaths.for_config(config)
-    connection = ServiceConnection(paths, config, metrics)
+    try:
+        paths = ServicePaths.for_config(config)
+        connection = ServiceConnection(paths, config, metrics)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from dstl.changelog.upload.service.runtime import runtime_root
+
+        raise UploadServiceError(exc.errno, f"the upload service's runtime directory {runtime_root()} is full "
+                                 f"({exc}); free space there or set DSTL_RUNTIME_DIR to a directory with room"
+                                 ) from exc
     return ProcessUploadScheduler(connection, job_id, local_recovery_dir), ServiceRegistryProxy(connection)
 
 
