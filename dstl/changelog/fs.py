@@ -73,7 +73,14 @@ def create_file(fs, path: str, data: bytes) -> bool:
         return True
     directory = path.rsplit("/", 1)[0]
     if has_atomic_create(fs):
-        fs.pipe_file(path, data, mode="create")
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            # a PUT whose answer was lost, retried by the client library: the retry finds the
+            # object the first one made. Byte for byte ours (every caller's data names its writer)
+            # is our create; anything else is someone else's
+            if not _holds(fs, path, data):
+                raise
         fs.invalidate_cache(directory)
         return True
     fs.invalidate_cache(directory)
@@ -83,6 +90,15 @@ def create_file(fs, path: str, data: bytes) -> bool:
     fs.pipe_file(path, data)
     fs.invalidate_cache(directory)
     return False
+
+
+def _holds(fs, path: str, data: bytes) -> bool:
+    """Whether `path` exists with exactly `data`."""
+    fs.invalidate_cache(path.rsplit("/", 1)[0])
+    try:
+        return fs.cat_file(path) == data
+    except FileNotFoundError:
+        return False
 
 
 def replace_file(fs, path: str, data: bytes) -> None:

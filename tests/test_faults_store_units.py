@@ -1,0 +1,80 @@
+"""The store-fault mechanisms without Spark: a storage and the atomic create on moto's S3 server
+behind the fault proxy (tests/s3proxy.py, a separate process stopped by PID). The StatefulStream runs
+through the same faults are in tests/test_faults_store.py (heavy)."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from dstl.changelog.storage import open_storage
+from dstl.types import KeyGroupRange
+
+KGR = KeyGroupRange(0, 127)
+
+
+@pytest.fixture
+def proxied(s3_server, tmp_path, monkeypatch):
+    """(proxy, bucket URL); s3fs in this process reaches moto through the proxy."""
+    import fsspec
+    import s3fs
+
+    from s3proxy import ProxyProcess
+
+    name = f"dstl-pu-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_server}, skip_instance_cache=True).mkdir(name)
+    proxy = ProxyProcess(s3_server, str(tmp_path))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    conf = fsspec.config.conf.setdefault("s3", {})
+    saved = conf.get("client_kwargs")
+    conf["client_kwargs"] = {"endpoint_url": proxy.endpoint}
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield proxy, f"s3://{name}"
+    finally:
+        conf["client_kwargs"] = saved
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+
+
+def _round_trip(base: str, n: int = 6):
+    s = open_storage(base, upload_mode="thread", job_id=uuid.uuid4().hex, batch_persist_delay="0 ms",
+                     upload_timeout="10 s")
+    try:
+        w = s.create_writer("op", KGR)
+        for i in range(n):
+            w.append(i % 128, b"%d" % i * 200)
+            h = w.persist(0, i + 1).result(120).job_manager_owned_snapshot
+        got = [bytes(c.data) for c in s.create_reader().get_changes(h)]
+        w.close()
+        return got
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("faults", [dict(error_rate=0.3, error_codes=[503, 500], seed=3),
+                                    dict(reset_rate=0.3, seed=4),
+                                    dict(lose_put_answers=2)],
+                         ids=["throttled-and-500", "resets", "lost-put-answers"])
+def test_persists_ride_through_and_read_back_exactly(proxied, faults):
+    proxy, bucket = proxied
+    proxy.set(**faults)
+    got = _round_trip(f"{bucket}/job")
+    assert got == [b"%d" % i * 200 for i in range(6)]
+    stats = proxy.stats()
+    assert stats["errors"] + stats["resets"] + stats["lost_put_answers"] > 0, stats  # faults did fire
+
+
+def test_an_atomic_create_whose_answer_was_lost_is_ours_and_another_writers_is_not(proxied):
+    import fsspec
+
+    from dstl.changelog import fs as dfs
+
+    proxy, bucket = proxied
+    fs, root = fsspec.core.url_to_fs(bucket)
+    proxy.set(lose_put_answers=1, lose_match="_metadata")
+    assert dfs.create_file(fs, f"{root}/chk-1/_metadata", b"mine") is True
+    assert proxy.stats()["lost_put_answers"] == 1  # stored, answer lost, the retry met the object
+    assert fs.cat_file(f"{root}/chk-1/_metadata") == b"mine"
+    with pytest.raises(FileExistsError):
+        dfs.create_file(fs, f"{root}/chk-1/_metadata", b"someone else's")
