@@ -3,7 +3,9 @@ misbehaves: tests/s3proxy.py between s3fs and moto injects 503 SlowDown and 500 
 resets, 2 s latency, PUTs whose answers are lost, and an outage in the middle of a batch
 (docs/semantics.md, "Faults of the object store"). Each run is a real driver process
 (tests/cluster_driver.py, local mode) reaching the store only through the proxy; the output is
-compared row for row with pandas, and `dstl gc` must find nothing unreferenced.
+compared row for row with pandas, and `dstl gc` must find nothing unreferenced. Also here, as it
+needs a driver of its own: a batch in Spark's Python workers under a 200-character TMPDIR and
+DSTL_RUNTIME_DIR (docs/service.md, "The runtime directory and its sockets").
 
 Heavy: each test starts Spark drivers (about 1-3 minutes each on a loaded 2-core machine).
 """
@@ -55,10 +57,10 @@ def store(s3_server, tmp_path):
             pass
 
 
-def _driver(proxy, base, tmp_path, upto, on_start=None, timeout=900):
-    """Run tests/cluster_driver.py over input batches [0, upto) (those done already are skipped by
-    Spark's checkpoint) with the store behind `proxy`; `on_start(batch)` is called once as each
-    batch starts. Returns (exit code, seconds, log text)."""
+def _driver(proxy, base, tmp_path, on_start=None, timeout=900):
+    """Run tests/cluster_driver.py over the input batches written so far (those done already are
+    skipped by Spark's checkpoint) with the store behind `proxy`; `on_start(batch)` is called once
+    as each batch starts. Returns (exit code, seconds, log text)."""
     from cluster_util import read_progress
 
     inputs, ckpt, progress = (str(tmp_path / n) for n in ("input", "spark-checkpoint", "progress.jsonl"))
@@ -147,14 +149,14 @@ def test_stream_rides_through_throttling_resets_latency_and_lost_put_answers(sto
             proxy.set(**plan[b])
 
     _write_inputs(tmp_path, batches, 7)
-    code, seconds, log = _driver(proxy, base, tmp_path, 7, on_start)
+    code, seconds, log = _driver(proxy, base, tmp_path, on_start)
     assert code == 0, log[-4000:]
     proxy.set()
     final = proxy.stats()
     assert final["errors"] > 0 and final["resets"] > 0 and final["lost_put_answers"] == 4, final
     # a restart restores every subtask from the store (files whose PUT answers were lost included)
     _write_inputs(tmp_path, batches, 8)
-    code, _, log = _driver(proxy, base, tmp_path, 8)
+    code, _, log = _driver(proxy, base, tmp_path)
     assert code == 0, log[-4000:]
     _check_exact(base, batches)
     _nothing_to_collect(base, capsys)
@@ -176,7 +178,7 @@ def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exact
             down_at["t"] = time.monotonic()
 
     _write_inputs(tmp_path, batches, 4)
-    code, _, log = _driver(proxy, base, tmp_path, 4, on_start)
+    code, _, log = _driver(proxy, base, tmp_path, on_start)
     failed_after = time.monotonic() - down_at["t"]
     assert down_at and code != 0, log[-4000:]
     # no hang beyond the configured timeouts (docs/semantics.md: attempts x timeout per write, Spark's
@@ -184,7 +186,7 @@ def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exact
     assert failed_after < 300, failed_after
     assert "StreamBatchError" in log or "Could not connect to the endpoint URL" in log, log[-4000:]
     proxy.set()  # the store is back
-    code, _, log = _driver(proxy, base, tmp_path, 4)
+    code, _, log = _driver(proxy, base, tmp_path)
     assert code == 0, log[-4000:]
     _check_exact(base, batches)
     _nothing_to_collect(base, capsys)
@@ -197,10 +199,10 @@ def test_a_stream_batch_under_a_200_character_tmpdir_and_runtime_dir(tmp_path):
     from streaming_util import make_batches, normalize, read_output, reference_counts
 
     def long_dir(n):
-        d = tempfile_dir = os.path.join("/tmp", f"dl-{uuid.uuid4().hex[:8]}")
-        d = d + "/" + "t" * (n - len(d) - 1)
+        top = os.path.join("/tmp", f"dl-{uuid.uuid4().hex[:8]}")
+        d = top + "/" + "t" * (n - len(top) - 1)
         os.makedirs(d)
-        return tempfile_dir, d
+        return top, d
 
     (t_top, tmpdir), (r_top, rundir) = long_dir(200), long_dir(200)
     batches = make_batches(3, EVENTS, KEYS, seed=36)
