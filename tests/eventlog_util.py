@@ -29,6 +29,8 @@ class TaskRun:
     launch_ms: int
     finish_ms: int
     success: bool
+    #: Spark's locality level for the launch: PROCESS_LOCAL, NODE_LOCAL, ANY, ...
+    locality: str = ""
 
 
 def _events(directory: str):
@@ -58,8 +60,33 @@ def batch_stages(directory: str) -> Dict[int, List[TaskRun]]:
             tasks.setdefault(e["Stage ID"], []).append(TaskRun(
                 int(ti.get("Partition ID", ti["Index"])), int(ti["Attempt"]), str(ti["Executor ID"]),
                 int(ti["Launch Time"]), int(ti["Finish Time"]),
-                e["Task End Reason"]["Reason"] == "Success"))
+                e["Task End Reason"]["Reason"] == "Success", str(ti.get("Locality", ""))))
     return {b: tasks.get(s, []) for b, s in sorted(stage_of.items())}
+
+
+def batch_plan_nodes(directory: str) -> Dict[int, List[str]]:
+    """{batch: the node names of every physical plan Spark reported for the SQL execution that ran
+    the batch's stage (the initial plan and each adaptive re-plan, the final one included)}."""
+    execution_of: Dict[int, int] = {}
+    plans: Dict[int, List[dict]] = {}
+    for e in _events(directory):
+        kind = e["Event"]
+        if kind == "SparkListenerJobStart":
+            props = e.get("Properties") or {}
+            m = re.fullmatch(r"dstl \S+ batch (\d+)", props.get("spark.job.description") or "")
+            if m and props.get("spark.sql.execution.id") is not None:
+                execution_of[int(m.group(1))] = int(props["spark.sql.execution.id"])
+        elif kind.endswith(("SparkListenerSQLExecutionStart", "SparkListenerSQLAdaptiveExecutionUpdate")):
+            if e.get("sparkPlanInfo") is not None:
+                plans.setdefault(int(e["executionId"]), []).append(e["sparkPlanInfo"])
+
+    def names(info: dict) -> List[str]:
+        out = [info.get("nodeName", "")]
+        for child in info.get("children") or ():
+            out += names(child)
+        return out
+
+    return {b: [n for info in plans.get(x, []) for n in names(info)] for b, x in sorted(execution_of.items())}
 
 
 def successful(runs: List[TaskRun]) -> Dict[int, TaskRun]:

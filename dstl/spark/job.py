@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dstl.spark.coordinator import CheckpointCoordinator, CheckpointStats
-from dstl.spark.keyed import TaskReport, stateful_map_in_pandas, stateful_map_in_pandas_local
+from dstl.spark.keyed import (TaskReport, stateful_map_in_pandas_local, stateful_map_in_pandas_staged,
+                              with_subtask)
 
 
 @dataclass
@@ -41,10 +42,10 @@ class StatefulJob:
     >>> job = StatefulJob(coordinator, fn, "user_id long, n long", key="user_id", parallelism=2)
     >>> job.run_batch(events_df)          # one checkpoint; output committed when it returns
 
-    `run_batch` takes a Spark DataFrame (keyed with a pandas UDF and shuffled by Spark) or a pandas
-    DataFrame held by the driver (routed on the driver and run as one stage of P tasks that stay on
-    their executors batch after batch, which keeps the worker caches warm; needs `spark=`).
-    `close()` releases the placement anchor.
+    `run_batch` takes a Spark DataFrame (keyed with a pandas UDF, shuffled executor to executor) or
+    a pandas DataFrame held by the driver (keyed on the driver; broadcast when small, else shuffled;
+    needs `spark=`). Either way the batch runs as one stage of P tasks that stay on their executors
+    batch after batch, which keeps the worker caches warm. `close()` releases the placement anchor.
     """
 
     def __init__(self, coordinator: CheckpointCoordinator, fn: Callable, schema: Any, *, key: str,
@@ -66,29 +67,36 @@ class StatefulJob:
             self._stage.close()
             self._stage = None
 
+    def _stage_for(self, spark):
+        from dstl.spark.session import SubtaskStage
+
+        if self._stage is None:
+            self._stage = SubtaskStage(spark, self.parallelism)
+        return self._stage
+
     def run_batch(self, df, *, properties: Optional[Dict[str, Any]] = None,
                   after_metadata: Optional[Callable[[], None]] = None) -> BatchResult:
         coord = self.coordinator
         batch = coord.next_batch
         plan = coord.plan(batch, self.parallelism)
         t0 = time.perf_counter()
-        if _is_pandas(df):  # driver-held batch: routed on the driver, subtasks pinned to workers
-            if self.spark is None:
-                raise ValueError("a pandas micro-batch needs StatefulJob(spark=...)")
-            if self._stage is None:
-                from dstl.spark.session import SubtaskStage
-
-                self._stage = SubtaskStage(self.spark, self.parallelism)
+        if _is_pandas(df) and self.spark is None:
+            raise ValueError("a pandas micro-batch needs StatefulJob(spark=...)")
+        spark = self.spark if self.spark is not None else df.sparkSession
+        stage = self._stage_for(spark)
+        if _is_pandas(df):  # driver-held batch: keyed on the driver
             reports_df = stateful_map_in_pandas_local(
-                self.spark, df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by,
-                events_schema=self.events_schema, stage=self._stage)
-        else:
-            reports_df = stateful_map_in_pandas(
-                df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by)
+                spark, df, self.fn, self.schema, key=self.key, checkpoint=plan, order_by=self.order_by,
+                events_schema=self.events_schema, stage=stage)
+        else:  # keyed by a pandas UDF on the executors, shuffled straight to the placed tasks
+            if self.key not in df.columns:
+                raise ValueError(f"key column {self.key!r} not in the DataFrame (columns: {', '.join(df.columns)})")
+            keyed = with_subtask(df, self.key, plan.max_parallelism, plan.parallelism)
+            reports_df = stateful_map_in_pandas_staged(keyed, self.fn, self.schema, checkpoint=plan,
+                                                       order_by=self.order_by, stage=stage)
         # collected exactly once: a second evaluation would run the tasks again
         from dstl.spark.session import collect
 
-        spark = self.spark if self.spark is not None else df.sparkSession
         rows = collect(spark, reports_df, f"dstl {coord.spec.operator_id} batch {batch}")
         reports = [TaskReport.from_row(r) for r in rows]
         stats = coord.complete(plan, reports, properties=properties, after_metadata=after_metadata)

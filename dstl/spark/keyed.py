@@ -1,15 +1,16 @@
 """Keyed state inside `mapInPandas`: key-group columns and the stateful task.
 
 Routing. Every row gets its key group (Flink's assignment, vectorised in dstl.keygroups) and its
-logical subtask ``kg * parallelism // max_parallelism``. Partition i of one Spark stage is subtask i,
-by one of two routes:
+logical subtask ``kg * parallelism // max_parallelism``. Partition i of one Spark stage is subtask i:
 
-* placed (`StatefulStream`, `StatefulJob` with a driver-held batch): the batch is broadcast and
-  joined to a cached anchor of P partitions (dstl.spark.session.SubtaskStage), so subtask i runs on
-  the executor that ran it last batch and continues its state from memory;
-* shuffled (`stateful_map_in_pandas`, any DataFrame of any size): ``repartition(parallelism, salt)``,
-  where ``salt`` is a per-subtask integer chosen so that Spark's own hash partitioning (Murmur3,
-  seed 42, ``pmod``) sends subtask ``i`` to partition ``i``; no placement.
+* placed (`StatefulStream`, `StatefulJob`): the batch is joined to a cached anchor of P partitions
+  (dstl.spark.session.SubtaskStage), so subtask i runs on the executor that ran it last batch and
+  continues its state from memory. The rows get there by a shuffle (hash-partitioned by a salt, the
+  anchor partitioned the same way: each row moves once, executor to executor), or, for a small
+  batch the driver holds, by a broadcast (dstl.spark.routing.choose_route);
+* shuffled only (`stateful_map_in_pandas`): ``repartition(parallelism, salt)``, where ``salt`` is a
+  per-subtask integer chosen so that Spark's own hash partitioning (Murmur3, seed 42, ``pmod``)
+  sends subtask ``i`` to partition ``i``; no placement.
 
 Either way every subtask runs even without rows (so it snapshots), no two subtasks share a task, and
 the task fails loudly if Spark ever gave it a row of another subtask.
@@ -31,15 +32,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from dstl.spark.session import (ANCHOR_COL, FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV,  # noqa: F401
-                                ensure_importable_on_workers, struct_from_ddl)
+from dstl.spark.routing import partition_salts, spark_hash_int  # noqa: F401 - importable from here too
+from dstl.spark.session import (ANCHOR_COL, ANCHOR_SALT_COL, FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV,  # noqa: F401
+                                SALT_COL, ensure_importable_on_workers, struct_from_ddl)
 
 KG_COL = "_dstl_kg"
 SUBTASK_COL = "_dstl_subtask"
-SALT_COL = "_dstl_salt"
-#: arrival order: a broadcast hash join hands a key's rows back in another order, so tasks sort by it
+#: arrival order: a join or a shuffle hands a subtask's rows over in another order, so tasks sort by it
 SEQ_COL = "_dstl_seq"
-INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL, ANCHOR_COL, SEQ_COL)
+INTERNAL_COLS = (KG_COL, SUBTASK_COL, SALT_COL, ANCHOR_COL, ANCHOR_SALT_COL, SEQ_COL)
 
 REPORT_SCHEMA = (
     "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
@@ -47,46 +48,6 @@ REPORT_SCHEMA = (
     "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean, "
     "executor string, restore_source string")
 
-_M32 = 0xFFFFFFFF
-
-
-# ------------------------------------------------------------------ Spark's partitioning hash
-
-def _rotl(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) & _M32
-
-
-def spark_hash_int(value: int, seed: int = 42) -> int:
-    """Spark's `hash()` of an IntegerType value (Murmur3_x86_32.hashInt), as a signed int32."""
-    k1 = (value & _M32) * 0xCC9E2D51 & _M32
-    k1 = _rotl(k1, 15) * 0x1B873593 & _M32
-    h1 = (seed & _M32) ^ k1
-    h1 = (_rotl(h1, 13) * 5 + 0xE6546B64) & _M32
-    h1 ^= 4
-    h1 ^= h1 >> 16
-    h1 = h1 * 0x85EBCA6B & _M32
-    h1 ^= h1 >> 13
-    h1 = h1 * 0xC2B2AE35 & _M32
-    h1 ^= h1 >> 16
-    return h1 - (1 << 32) if h1 >= 1 << 31 else h1
-
-
-def partition_salts(parallelism: int) -> List[int]:
-    """For each subtask i, the smallest int v >= 0 that Spark's `repartition(parallelism, v)` puts in partition i."""
-    if not isinstance(parallelism, int) or parallelism < 1:
-        raise ValueError(f"parallelism must be a positive int, got {parallelism!r}")
-    salts: List[Optional[int]] = [None] * parallelism
-    missing, v = parallelism, 0
-    while missing:
-        p = spark_hash_int(v) % parallelism
-        if salts[p] is None:
-            salts[p] = v
-            missing -= 1
-        v += 1
-    return salts  # type: ignore[return-value]
-
-
-# ------------------------------------------------------------------ workers must import dstl
 
 # ------------------------------------------------------------------ columns
 
@@ -537,17 +498,19 @@ def _arrow_output_schema(schema):
 def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
                                  parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
                                  order_by: Optional[Sequence[str]] = None, events_schema: Any = None,
-                                 stage: Any = None):
+                                 stage: Any = None, route: Optional[str] = None):
     """Same as `stateful_map_in_pandas` for a micro-batch held by the driver as a pandas DataFrame.
 
     The driver computes each row's subtask (vectorised key groups) and the batch runs as one stage
     of P tasks placed by `stage` (a `dstl.spark.session.SubtaskStage` the caller keeps across
     batches, so subtask i stays on its executor and continues its state from memory; without one,
-    a throw-away stage places the subtasks anew).
+    a throw-away stage places the subtasks anew). `route`: "broadcast" or "shuffle"; None chooses by
+    the batch's size (dstl.spark.routing.choose_route).
     """
     import pyarrow as pa
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+    from dstl.spark.routing import choose_route
 
     parallelism = checkpoint.parallelism if parallelism is None else parallelism
     max_parallelism = checkpoint.max_parallelism if max_parallelism is None else max_parallelism
@@ -556,6 +519,7 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
                          f"called with {parallelism}/{max_parallelism}")
     if key not in pdf.columns:
         raise ValueError(f"key column {key!r} not in the batch (columns: {', '.join(pdf.columns)})")
+    route = choose_route(pdf, route)
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
     from pyspark.sql.pandas.types import from_arrow_schema
@@ -577,24 +541,26 @@ def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, 
                                                     StructField(SEQ_COL, LongType(), False)])
     sdf = spark.createDataFrame(keyed, schema=full)
     task = _make_task(checkpoint, fn, arrow_schema, list(keyed.columns), None)
-    return _on_stage(spark, stage, parallelism, sdf, task)
+    return _on_stage(spark, stage, parallelism, sdf, task, route)
 
 
-def _on_stage(spark, stage, parallelism: int, sdf, task):
+def _on_stage(spark, stage, parallelism: int, sdf, task, route: str):
     from dstl.spark.session import SubtaskStage
 
     if stage is None:
         stage = SubtaskStage(spark, parallelism)
     elif stage.parallelism != parallelism:
         raise ValueError(f"the stage is for parallelism {stage.parallelism}, the plan for {parallelism}")
-    return stage.run(sdf, SUBTASK_COL, task, REPORT_SCHEMA)
+    return stage.run(sdf, SUBTASK_COL, task, REPORT_SCHEMA, route=route)
 
 
 def stateful_map_in_pandas_staged(df, fn: Callable, schema, *, checkpoint: CheckpointPlan,
-                                  order_by: Optional[Sequence[str]] = None, stage: Any = None):
+                                  order_by: Optional[Sequence[str]] = None, stage: Any = None,
+                                  route: str = "shuffle"):
     """`stateful_map_in_pandas` for a Spark DataFrame that already has the `SUBTASK_COL` column:
-    one stage of P tasks placed by `stage` (see `stateful_map_in_pandas_local`); the batch reaches
-    the tasks as a broadcast, so nothing is shuffled and nothing is collected by dstl itself."""
+    one stage of P tasks placed by `stage` (see `stateful_map_in_pandas_local`). With the default
+    `route` the batch is shuffled straight to the placed tasks (each row moves once, the driver
+    never holds it); "broadcast" ships it whole to every executor (small batches only)."""
     if SUBTASK_COL not in df.columns:
         raise ValueError(f"the DataFrame lacks the {SUBTASK_COL!r} column (use with_subtask first)")
     from pyspark.sql import functions as F
@@ -602,9 +568,12 @@ def stateful_map_in_pandas_staged(df, fn: Callable, schema, *, checkpoint: Check
     spark = df.sparkSession
     ensure_importable_on_workers(spark)
     arrow_schema = _arrow_output_schema(schema)
+    for c in order_by or ():
+        if c not in df.columns:
+            raise ValueError(f"order_by column {c!r} not in the DataFrame")
     df = df.withColumn(SEQ_COL, F.monotonically_increasing_id())
     task = _make_task(checkpoint, fn, arrow_schema, list(df.columns), order_by)
-    return _on_stage(spark, stage, checkpoint.parallelism, df, task)
+    return _on_stage(spark, stage, checkpoint.parallelism, df, task, route)
 
 
 def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
@@ -636,9 +605,10 @@ def stateful_map_in_pandas(df, fn: Callable, schema, *, key: str, checkpoint: Ch
         if c not in df.columns:
             raise ValueError(f"order_by column {c!r} not in the DataFrame")
     keyed = with_subtask(df, key, max_parallelism, parallelism)
-    salts = partition_salts(parallelism)
-    salt = F.element_at(F.array(*[F.lit(s) for s in salts]), F.col(SUBTASK_COL) + 1)
-    routed = keyed.withColumn(SALT_COL, salt).repartition(parallelism, F.col(SALT_COL))
+    from dstl.spark.routing import salt_column
+
+    routed = keyed.withColumn(SALT_COL, salt_column(F.col(SUBTASK_COL), parallelism)).repartition(
+        parallelism, F.col(SALT_COL))
     task = _make_task(checkpoint, fn, arrow_schema, routed.columns, order_by)
     return routed.mapInPandas(task, REPORT_SCHEMA)
 

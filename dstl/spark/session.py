@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 #: the anchor's column: the subtask a partition stands for
 ANCHOR_COL = "_dstl_anchor"
+#: the anchor's salt, by which it is hash-partitioned (partition i holds subtask i's salt)
+ANCHOR_SALT_COL = "_dstl_anchor_salt"
+#: a batch row's salt: the shuffle route hash-partitions the batch by it, as the anchor is
+SALT_COL = "_dstl_salt"
 
 #: environment variables the Python workers get from the driver
 FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "FSSPEC_")
@@ -229,7 +233,17 @@ class SubtaskStage:
         return self._anchor
 
     def _plan(self, spark):
-        return spark.range(0, self.parallelism, 1, numPartitions=self.parallelism).withColumnRenamed("id", ANCHOR_COL)
+        from pyspark.sql import functions as F
+
+        from dstl.spark.routing import salt_column
+
+        p = self.parallelism
+        ids = spark.range(0, p, 1, numPartitions=p)
+        # hash-partitioned by the salt exactly as the shuffle route partitions a batch: Spark sees
+        # the two sides of the join co-partitioned and shuffles only the batch
+        return ids.select(F.col("id").cast("int").alias(ANCHOR_COL),
+                          salt_column(F.col("id").cast("int"), p).alias(ANCHOR_SALT_COL)).repartition(
+            p, F.col(ANCHOR_SALT_COL))
 
     def rebind(self, spark) -> None:
         """Go on in another session of the same application (foreachBatch may hand a batch a new
@@ -269,16 +283,32 @@ class SubtaskStage:
         """Forget the anchor's placement: the next batch places every subtask anew."""
         self.close()
 
-    def run(self, batch, subtask_col: str, task: Callable, schema: Any):
+    def run(self, batch, subtask_col: str, task: Callable, schema: Any, route: str = "shuffle"):
         """The DataFrame of `task`'s output for `batch` (a DataFrame with `subtask_col`): partition i
-        of one stage gets subtask i's rows (plus the anchor column, and one all-null row for a
-        subtask without rows). Evaluate it once."""
+        of one stage gets subtask i's rows (plus the anchor's columns, and one row with null batch
+        columns for a subtask without rows). `route`: "shuffle" (each row moves once, executor to
+        executor) or "broadcast" (the whole batch to every executor, through the driver; for small
+        driver-held batches). Evaluate it once."""
         from pyspark.sql import functions as F
+
+        from dstl.spark.routing import BROADCAST, SHUFFLE, salt_column
 
         anchor = self.anchor()
         if self._view is not None:
             anchor = self._view
-        joined = anchor.join(F.broadcast(batch), F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
+        if route == BROADCAST:
+            joined = anchor.join(F.broadcast(batch), F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
+        elif route == SHUFFLE:
+            p = self.parallelism
+            routed = batch.withColumn(SALT_COL, salt_column(F.col(subtask_col), p)).repartition(p, F.col(SALT_COL))
+            # A sort-merge join, by hint: AQE would broadcast a small batch otherwise, and a shuffled
+            # hash join feeds the shuffle reader straight into the zipped partition, whose
+            # map-output host preference then wins over the anchor's cached block (NODE_LOCAL: any
+            # executor of the host). The sort in front of each side leaves the zip no preference
+            # of its own, so the scheduler finds the anchor's block (docs/spark.md, "Placement").
+            joined = anchor.join(routed.hint("merge"), F.col(ANCHOR_SALT_COL) == F.col(SALT_COL), "left_outer")
+        else:
+            raise ValueError(f"route must be 'shuffle' or 'broadcast', got {route!r}")
         return joined.mapInPandas(task, schema)
 
     def close(self) -> None:

@@ -12,7 +12,9 @@ of batch ids: a bootstrapped first checkpoint, an offline rescale). Per batch, o
 2. the input gets its logical subtask column (null keys: an error, or dropped and counted), late
    rows are dropped and counted (EventTime), and the batch runs as ONE Spark stage of P concurrent
    tasks, task i = subtask i, each on the executor that ran it last batch (dstl.spark.session), so it
-   continues its state from its Python worker's memory;
+   continues its state from its Python worker's memory. The rows reach the tasks by a shuffle,
+   executor to executor; only a small pandas batch the driver holds is broadcast
+   (dstl.spark.routing);
 3. the checkpoint metadata (watermark, state schemas, Spark's batch id) is written atomically,
    then the staged output is committed to ``<output>/batch_id=N/`` and the sink called once.
 """
@@ -62,6 +64,8 @@ class StreamBatchResult(BatchResult):
     evolved_states: List[str] = dataclasses.field(default_factory=list)
     #: where the batch's time went on the driver: prepare (key column, counts, persist), tasks, commit
     phases_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
+    #: how the rows reached their subtasks: "shuffle" or "broadcast" (dstl.spark.routing)
+    route: str = ""
 
 
 _UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 1000, "second": 1000,
@@ -346,7 +350,10 @@ class StatefulStream:
         from dstl.spark.processor import BatchContext, make_task_fn
         from dstl.spark.session import collect
 
+        from dstl.spark.routing import choose_route
+
         coord = self.coordinator
+        route = choose_route(df)  # a small pandas batch is broadcast; everything else is shuffled
         spark, sdf = self._spark_of(df)
         if self.key not in sdf.columns:
             raise ValueError(f"key column {self.key!r} is not in batch {batch_id} "
@@ -365,7 +372,7 @@ class StatefulStream:
             keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
         stage = self._stage_for(spark)
         t_prep = time.perf_counter()
-        # the broadcast inside the stage evaluates `keyed` once: nothing to persist
+        # the stage evaluates `keyed` once (the shuffle's map side, or the broadcast): nothing to persist
         out_schema = self._output_struct_type()
         ctx = BatchContext(batch_ts, watermark, self.time_mode, api=self.api)
         if self.api == "row":
@@ -376,7 +383,8 @@ class StatefulStream:
                           evolutions=self._evolutions)
         plan = coord.plan(batch_id, self.parallelism)
         plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-        reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage)
+        reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage,
+                                                   route=route)
         # evaluated exactly once
         rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
         reports = [TaskReport.from_row(r) for r in rows]
@@ -415,7 +423,7 @@ class StatefulStream:
             restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
             reports=reports, stats=stats, batch_id=batch_id, late_rows=late, null_rows=nulls,
             watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called,
-            evolved_states=evolved,
+            evolved_states=evolved, route=route,
             phases_ms={"prepare": (t_prep - t0) * 1e3, "tasks": (t_tasks - t_prep) * 1e3,
                        "commit": (t_end - t_tasks) * 1e3})
         self.results.append(res)
