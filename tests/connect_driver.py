@@ -101,7 +101,8 @@ def main(work: str) -> int:
         rescaled = StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=3,
                                   retain=5).run(static(2))
         return {"batch_ids": [r.batch_id for r in res + [rescaled]], "rows_out": [r.rows_out for r in res + [rescaled]],
-                "rescale_restored": rescaled.restored, "subtasks": sorted(t.subtask for t in rescaled.reports)}
+                "rescale_restored": rescaled.restored, "subtasks": sorted(t.subtask for t in rescaled.reports),
+                "routes": [r.route for r in res + [rescaled]]}
 
     def readers():
         base = os.path.join(work, "run")

@@ -5,7 +5,7 @@
                            --probe-broadcast]
 
 Batch b holds the ids b*N .. (b+1)*N-1 of `spark.range` (4 partitions), built on the executors:
-user ``u{id * 7919 % K}``, kind, value ``id % 10`` and a payload of BYTES characters per row, so
+user ``u{id * 7919 % K}``, kind, value ``id % 10`` and a payload of BYTES (rounded up to 128) hex characters per row, so
 the driver never holds a batch. Each batch goes through `stream.run` with the vectorised
 `count_fn`. With --probe-broadcast the driver first tries to broadcast batch 0 to a placed stage
 (the route `StatefulStream` used for every batch before) and records whether Spark refused it.
@@ -28,7 +28,9 @@ def batch_df(spark, b: int, rows: int, keys: int, payload: int):
         F.concat(F.lit("u"), (F.col("id") * 7919 % keys).cast("string")).alias("user"),
         F.element_at(F.array(F.lit("a"), F.lit("b"), F.lit("c")), (F.col("id") % 3 + 1).cast("int")).alias("kind"),
         (F.col("id") % 10).alias("value"), F.col("id").alias("ts_ms"),
-        F.concat(F.col("id").cast("string"), F.repeat(F.lit("x"), payload)).alias("payload"))
+        # distinct hashes: a broadcast's collect compresses what it ships, and repeated text shrinks
+        F.concat(*[F.sha2(F.concat(F.col("id").cast("string"), F.lit(f"/{j}")), 512)
+                   for j in range(-(-payload // 128))]).alias("payload"))
 
 
 def probe_broadcast(spark, df, parallelism: int) -> str:
@@ -48,7 +50,9 @@ def probe_broadcast(spark, df, parallelism: int) -> str:
         stage.run(keyed, SUBTASK_COL, count, "n long", route="broadcast").collect()
         return ""
     except Exception as exc:  # noqa: BLE001 - the point of the probe
-        return str(exc).strip().splitlines()[0][:400] or type(exc).__name__
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+        # py4j's first line names only the call; Spark's reason is further down
+        return next((ln for ln in lines if "maxResultSize" in ln), lines[0])[:400]
     finally:
         stage.close()
 

@@ -106,6 +106,7 @@ def test_run_and_rescale_under_connect(connect_run):
     work, got = _scenario(connect_run, "run_pandas_api_and_rescale")
     assert got["batch_ids"] == [0, 1, 2]
     assert got["rescale_restored"] == 3 and got["subtasks"] == [0, 1, 2]
+    assert got["routes"] == ["shuffle"] * 3  # a Spark DataFrame batch is shuffled, never broadcast
     _same(read_output(os.path.join(work, "run", "output")), reference_counts(BATCHES), COUNT_COLS,
           "StatefulStream.run under Connect, rescaled 2 -> 3")
 
