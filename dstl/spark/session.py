@@ -15,20 +15,29 @@ SparkContext, no `_jvm` and no RDDs; `is_connect` recognises it by its class, an
 touches them: the workers' environment cannot be set from the client (the package must be
 installed on the cluster, and object-store settings come from the server's configuration), the
 log level stays the server's, no job description is set, and the executor count is unknown.
-Everything else (the anchor's persist, the broadcast join, `mapInPandas`, executor ids read in the
-worker) is plain DataFrame API and works the same on both, placement included.
+Everything else (the anchor's persist, the repartition, join hints, `mapInPandas`, executor ids
+read in the worker) is plain DataFrame API and works the same on both, placement included.
 
-The placement trick. An *anchor* ``spark.range(0, P, 1, numPartitions=P)`` (partition i holds the
-value i) is persisted and materialised once. Its cached blocks stay on the executors that computed
-them, and the DAGScheduler gives any later stage that scans the anchor through narrow dependencies
-the blocks' executors as PROCESS_LOCAL preferred locations; delay scheduling (`spark.locality.wait`)
-then runs partition i on that executor again. Per batch the stage is
-``anchor LEFT JOIN broadcast(batch) ON anchor = subtask`` followed by ``mapInPandas``: the cached
-anchor is the streamed side, so there is no shuffle and no union (whatever
-``spark.sql.unionOutputPartitioning`` says), every subtask's task runs even without rows (the left
-join keeps its anchor row), and partition i receives exactly subtask i's rows. If an executor is
-lost, its anchor blocks are recomputed where the retried tasks run: those subtasks move once and
-then stay on their new executor.
+The placement trick. An *anchor* of P rows (row i: subtask i and its salt, dstl.spark.routing) is
+hash-partitioned by the salt into P partitions, persisted and materialised once. Its cached blocks
+stay on the executors that computed them, and the DAGScheduler gives a later stage that reaches
+the anchor's cached RDD through narrow dependencies the blocks' executors as PROCESS_LOCAL preferred
+locations; delay scheduling (`spark.locality.wait`) then runs partition i on that executor again.
+Per batch the stage is ``anchor LEFT JOIN batch ON salt`` followed by ``mapInPandas``:
+
+* shuffle route: the batch is ``repartition(P, salt)``-ed, the same hash partitioning as the
+  anchor's, so the planner sees the two sides co-partitioned and shuffles only the batch (each row
+  moves once, executor to executor; the driver never holds it). A sort-merge join, by hint: it
+  cannot become a broadcast under AQE, and the sort in front of the shuffle reader leaves the
+  zipped partition without the reader's host preference, so the anchor's block decides where the
+  task runs. ``repartition`` by number is an exchange AQE neither coalesces nor splits for skew,
+  and the anchor's side is a cached scan: the stage keeps exactly P tasks;
+* broadcast route (a small pandas batch the driver already holds): ``broadcast(batch)``; the
+  cached anchor is the streamed side, no shuffle at all.
+
+Either way every subtask's task runs even without rows (the left join keeps its anchor row), and
+partition i receives exactly subtask i's rows. If an executor is lost, its anchor blocks are
+recomputed where the retried tasks run: those subtasks move once and then stay on their new executor.
 
 No other dstl.spark module (nor dstl.app.pipeline) touches `sparkContext`, the JVM or an RDD; here
 `sparkContext` serves the worker environment, the log level, the job description, the default
