@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Dict
 
 from dstl._lazy import lazy_getattr
 
-__version__ = "0.1.0"
+# The one place the version is written: setuptools reads it from here without importing dstl
+# (pyproject.toml, [tool.setuptools.dynamic]); `dstl --version` prints it.
+__version__ = "0.2.0.dev0"
 
 _EXPORTS: Dict[str, str] = {
     # value types and errors

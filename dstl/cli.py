@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="dstl: a durable, Flink-compatible state changelog for PySpark. "
                     "Inspect changelog files, collect garbage, run the stateful pipeline.",
         epilog="Run `dstl COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action=_Version, help="print the version and the implementation in use, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
@@ -48,6 +49,21 @@ def add_fs_option(p: argparse.ArgumentParser) -> None:
 
 
 _wanted: set = set()
+
+
+class _Version(argparse.Action):
+    """`dstl --version`: the version, and whether the Cython modules or the twins are in use (the
+    choice imports the compiled modules, so it is made only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dstl import __version__
+        from dstl._impl import IMPLEMENTATION
+
+        sys.stdout.write(f"dstl {__version__} (implementation: {IMPLEMENTATION})\n")
+        parser.exit()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
