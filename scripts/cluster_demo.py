@@ -1,7 +1,7 @@
 """`make cluster-demo`: the pipeline demo through `spark-submit` on a local Spark standalone cluster.
 
 1. The executors' Python: a fresh virtual environment with the wheel `make dist` built, installed
-   as docs/spark.md says (`pip install "dist/dstl-*.whl[executor,s3]"`); kept under
+   as docs/spark.md says (`pip install "dist/pyspark_dstl-*.whl[executor,s3]"`); kept under
    build/cluster-demo/ and reused while the wheel is unchanged.
 2. A standalone master and two workers (1 core, 1 GB each) from pyspark's bin/spark-class on
    127.0.0.1 (tests/cluster_util.py).
@@ -12,7 +12,7 @@
    refusal and says so. YARN and Kubernetes run Python drivers in cluster mode (docs/spark.md).
 5. Every process it started is stopped by PID, also on failure or Ctrl-C.
 
-    python scripts/cluster_demo.py [--wheel dist/dstl-...whl] [--events N] [--batches B] [--parallelism P]
+    python scripts/cluster_demo.py [--wheel dist/pyspark_dstl-...whl] [--events N] [--batches B] [--parallelism P]
 """
 from __future__ import annotations
 
@@ -77,13 +77,13 @@ def submit_argv(master: str, mode: str, python: str, pipeline: str, pipeline_arg
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wheel", default=None, help="the dstl wheel (default: the newest dist/dstl-*.whl)")
+    p.add_argument("--wheel", default=None, help="the dstl wheel (default: the newest dist/pyspark_dstl-*.whl)")
     p.add_argument("--dir", default=os.path.join(ROOT, "build", "cluster-demo"))
     p.add_argument("--events", type=int, default=100_000)
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--parallelism", type=int, default=2)
     args = p.parse_args(argv)
-    wheels = [args.wheel] if args.wheel else sorted(glob.glob(os.path.join(ROOT, "dist", "dstl-*.whl")),
+    wheels = [args.wheel] if args.wheel else sorted(glob.glob(os.path.join(ROOT, "dist", "pyspark_dstl-*.whl")),
                                                     key=os.path.getmtime)
     if not wheels or not os.path.exists(wheels[-1]):
         print("cluster-demo: error: no dstl wheel; run `make dist` first", file=sys.stderr)
