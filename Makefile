@@ -1,11 +1,12 @@
 # `make test` and `make demo` do all set-up on a fresh machine: venv, dependencies, Cython build.
+# `make test` is the fast tier (pytest -m "not heavy"), `make test-all` every test (docs/contributing.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install build test test-cython test-pure demo bench soak clean dist cluster-demo
+.PHONY: install build test test-all test-cython test-pure demo bench soak clean dist cluster-demo
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,29 +16,36 @@ $(STAMP): setup.py pyproject.toml
 
 install: $(STAMP)
 
-# Rebuild the extension in place whenever a .pyx changed (cheap when nothing did).
+# Rebuild the extension in place whenever a .pyx changed (cheap when nothing did). A failed compile
+# is an error here (setup.py would otherwise fall back to the twins, as a user's install does).
 build: $(STAMP)
-	$(PY) setup.py -q build_ext --inplace
+	DSTL_REQUIRE_CYTHON=1 $(PY) setup.py -q build_ext --inplace
+
+# Both implementations, Cython first, then the twins (DSTL_PUREPYTHON=1). test-cython and test-pure
+# run one of them, on the tier MARK selects (MARK= selects every test).
+MARK ?= not heavy
 
 test: build
-	$(MAKE) test-cython
-	$(MAKE) test-pure
+	$(MAKE) test-cython test-pure
+
+test-all: build
+	$(MAKE) test-cython test-pure MARK=
 
 test-cython:
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -p no:cacheprovider $(if $(MARK),-m "$(MARK)") $(PYTEST_ARGS) tests
 
 test-pure:
-	DSTL_PUREPYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	DSTL_PUREPYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(if $(MARK),-m "$(MARK)") $(PYTEST_ARGS) tests
 
 demo: build
 	$(PY) -m dstl demo
 
-# What executors need: dstl as a wheel (compiled for this Python), installed into the executors'
-# Python with `pip install "dist/dstl-*.whl[executor,s3]"` (docs/spark.md, "A real cluster").
+# The sdist and the wheel (compiled for this Python, with this venv's Cython and NumPy). Executors
+# need the wheel: `pip install "dist/pyspark_dstl-*.whl[executor,s3]"` (docs/spark.md, "A real cluster").
 dist: $(STAMP)
-	rm -f dist/dstl-*.whl
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
-	@ls -l dist/dstl-*.whl
+	rm -f dist/pyspark_dstl-*
+	DSTL_REQUIRE_CYTHON=1 $(PY) -m build -q --no-isolation --outdir dist .
+	@ls -l dist/pyspark_dstl-*
 
 # A local standalone cluster (master + 2 workers), the pipeline demo through spark-submit on it with
 # --verify, every process stopped by PID (scripts/cluster_demo.py).

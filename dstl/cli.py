@@ -59,10 +59,9 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from dstl import __version__
-        from dstl._impl import IMPLEMENTATION
+        import dstl
 
-        sys.stdout.write(f"dstl {__version__} (implementation: {IMPLEMENTATION})\n")
+        sys.stdout.write(f"dstl {dstl.__version__} (implementation: {dstl.IMPLEMENTATION})\n")
         parser.exit()
 
 

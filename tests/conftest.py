@@ -36,10 +36,44 @@ def expected_implementation() -> str:
     return "python" if os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0") else "cython"
 
 
-# A heavy scenario (Spark end to end, or a benchmark harness: figures come from the Cython build) runs
-# once, under the Cython build, when a lighter test covers the same logic under the twins
-# (docs/contributing.md, "Tests"): `make test` stays within CI's time.
-heavy = pytest.mark.skipif(expected_implementation() == "python", reason="heavy: runs once, under the Cython build")
+# Two tiers (docs/contributing.md, "Tests"): `pytest -m "not heavy"` is the fast tier (`make test`, under
+# both implementations), `make test-all` runs every test. A `heavy` test runs in the full tier only,
+# and there once, under the Cython build: Spark end to end, the clusters, real service processes, the
+# benchmark harnesses (scenarios whose logic a lighter test covers under the twins). `heavy_twins`
+# marks a heavy test the twins' run keeps too (a front door end to end, a model of each build).
+heavy = pytest.mark.heavy
+heavy_twins = pytest.mark.heavy(twins=True)
+
+
+# The Spark runs the fast tier keeps on purpose: one end-to-end StatefulStream and one `dstl pipeline`,
+# under the Cython build only (the twins' Spark runs are in the full tier). Every other test that
+# starts Spark is heavy (tests/test_tiers.py checks).
+FAST_SPARK = (
+    "tests/test_stream.py::test_vectorised_function_and_initial_state",
+    "tests/test_spark_pipeline.py::test_cli_report_json_and_verify_catches_lost_output",
+)
+# tests that use the `spark` fixture, are not heavy and not in FAST_SPARK (filled at collection)
+UNMARKED_SPARK: list = []
+COLLECTED_SPARK: list = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the check sees every collected test
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            COLLECTED_SPARK.append(item.nodeid)
+            if item.get_closest_marker("heavy") is None and item.nodeid.split("[")[0] not in FAST_SPARK:
+                UNMARKED_SPARK.append(item.nodeid)
+    if expected_implementation() != "python":
+        return
+    once = pytest.mark.skip(reason="heavy: runs once, under the Cython build")
+    fast_spark = pytest.mark.skip(reason="the fast tier's Spark run: once, under the Cython build")
+    for item in items:
+        marks = list(item.iter_markers("heavy"))
+        if marks and not any(m.kwargs.get("twins") for m in marks):
+            item.add_marker(once)
+        elif item.nodeid.split("[")[0] in FAST_SPARK:
+            item.add_marker(fast_spark)
 
 
 def pytest_report_header(config):

@@ -8,6 +8,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
+from conftest import heavy
 from dstl.changelog.storage import open_storage
 from dstl.types import KeyGroupRange
 from dstl.changelog.upload.throttle import UploadThrottle
@@ -72,6 +73,7 @@ def test_writer_blocks_above_max_in_flight_and_nothing_is_dropped(throttled, fau
     assert s.metrics["ChangelogStorage.availability"] == 1
 
 
+@heavy  # back-pressure logic, not a kernel: once
 def test_preemptive_append_blocks_too(tmp_path, faulty):
     s = open_storage(faulty_url(tmp_path), upload_mode="thread", job_id=uuid.uuid4().hex,
                      upload_max_in_flight=100, batch_persist_size_threshold=50, batch_persist_delay="0 ms",

@@ -9,6 +9,7 @@ import time
 import fsspec
 import pytest
 
+from conftest import heavy
 from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
 from dstl.keygroups import key_group_ranges
 from dstl.state.metadata import (
@@ -241,6 +242,7 @@ def test_killed_writer_never_leaves_a_torn_checkpoint(tmp_path):
 # ------------------------------------------------------------------ moto S3
 
 
+@heavy  # S3: the local tests cover the logic under both builds
 @pytest.mark.s3
 def test_s3_write_read_latest(s3_bucket):
     base = f"{s3_bucket}/jobs/one"
@@ -257,6 +259,7 @@ def test_s3_write_read_latest(s3_bucket):
     assert retained_files([read_checkpoint(base, c) for c in (1, 2, 3)]) == set().union(*(m.files() for m in metas))
 
 
+@heavy  # S3
 @pytest.mark.s3
 def test_s3_latest_ignores_truncated_and_temp_keys(s3_bucket):
     base = f"{s3_bucket}/jobs/two"

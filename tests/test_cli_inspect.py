@@ -12,7 +12,7 @@ import pytest
 from dstl import format as fmt
 from dstl.types import StateChange, StateChangeSet
 
-from conftest import FIXTURES
+from conftest import FIXTURES, heavy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,6 +89,7 @@ def test_inspect_reports_corruption_and_missing_files(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
+@heavy  # S3
 @pytest.mark.s3
 def test_inspect_and_dump_through_s3(s3_bucket):
     import fsspec

@@ -17,14 +17,10 @@ import sys
 import pandas as pd
 import pytest
 
+from conftest import heavy
 from streaming_util import make_batches, normalize, read_output, reference_counts
 
-pytestmark = [
-    pytest.mark.spark,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                       reason="heavy Spark Connect run: once, under the Cython build"),
-]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, heavy]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COUNT_COLS = ["user", "events", "value_sum", "batches", "kinds", "top_kind_events", "batch_id"]

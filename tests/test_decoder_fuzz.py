@@ -7,12 +7,15 @@ import struct
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from conftest import heavy
 from dstl import format as fmt
 from dstl.format import compression
 from dstl.errors import CorruptChangelogError
 from dstl.types import KeyGroupRange
 
 from format_helpers import IMPLS, PYTHON
+
+pytestmark = heavy  # hypothesis over both implementations in one run
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -6,10 +6,12 @@ import os
 
 import pytest
 
+from conftest import heavy
 from dstl import cli
 from dstl.state.metadata import list_checkpoints
 
-pytestmark = pytest.mark.spark
+# the pipeline's own tests run it under both builds
+pytestmark = [pytest.mark.spark, heavy]
 
 
 def test_demo_runs_the_pipeline_end_to_end_verified(spark, tmp_path, capsys):

@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Set
 
 import pytest
 
-from conftest import expected_implementation
+from conftest import heavy
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -100,12 +100,15 @@ def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
                           timeout=600, cwd=str(tmp_path))
 
 
-@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+# an example that starts Spark is heavy: outside the fast tier, and run once, under the Cython build
+# (the twins are tested on their own)
+EXAMPLES = [pytest.param(b, id=b.id, marks=[heavy] if _starts_spark(b.code) else []) for b in PYTHON]
+
+
+@pytest.mark.parametrize("block", EXAMPLES)
 def test_example_runs_and_prints_what_it_promises(block: Block, tmp_path):
     if "no-run" in block.info.split()[1:]:
         pytest.skip(f"fenced `{block.info}`: shown, not run")
-    if expected_implementation() == "python" and _starts_spark(block.code):
-        pytest.skip("starts Spark: runs once, under the Cython build (the twins are tested on their own)")
     proc = _run(block.code, tmp_path)
     assert proc.returncode == 0, f"example under '{block.heading}' in {block.page} failed:\n{proc.stderr[-3000:]}"
     promised = promised_output(block.code)

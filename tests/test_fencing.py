@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 import writer_race
+from conftest import heavy
 from dstl.changelog import fs as dfs
 from dstl.spark.coordinator import CheckpointCoordinator
 from dstl.state.fencing import LEASE_DIR, BasePathInUseError, WriterLease, current_holder
@@ -178,7 +179,7 @@ def _files(base: str):
     return sorted(p[len(root.rstrip("/")) + 1:] for p in fs.find(root))
 
 
-@pytest.mark.parametrize("store", ["local", "s3"])
+@pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=heavy)])  # S3: the local run covers both builds
 def test_two_concurrent_writers_exactly_one_wins(store, tmp_path, request):
     """Two runs resume one job at the same moment (a restarted query and the old one's zombie
     driver). The later takeover wins and finishes every batch; the other fails with the message

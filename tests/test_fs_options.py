@@ -168,6 +168,7 @@ def _race(base, tmp_path, env, batches=3):
                            str(barrier), "solo", "1"], env=env, capture_output=True, text=True, timeout=300)
 
 
+@heavy  # S3
 def test_driver_probe_names_url_and_where_credentials_were_looked_for(s3_server, s3_bucket, tmp_path):
     base = f"{s3_bucket}/job"
     r = _race(base, tmp_path, _clean_env(AWS_ENDPOINT_URL=s3_server))
@@ -181,6 +182,7 @@ def test_driver_probe_names_url_and_where_credentials_were_looked_for(s3_server,
     assert r.returncode == 4 and "cannot reach s3://no-such-bucket-dstl/job: the bucket" in r.stdout
 
 
+@heavy  # S3 and the upload service
 def test_credentials_in_storage_options_are_never_at_rest(s3_server, s3_bucket, tmp_path, runtime):
     """A job whose only credentials and endpoint are fsspec options in its storage options runs with
     the upload service (process mode); the sentinel secret appears in no object under the base path,

@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import expected_implementation
+from conftest import expected_implementation, heavy
 from dstl._fast import _hash_py, _keyed_py
 from dstl.state import changes as C
 from dstl.types import KeyGroupRange
@@ -70,6 +70,7 @@ _values = st.one_of(_scalars, st.lists(_scalars, max_size=3), st.dictionaries(st
 _keys = st.one_of(_ints, _strs, _bytes, st.sampled_from([True, 1.5, None, bytearray(b"k"), (1,)]))
 
 
+@heavy  # compares both implementations in one run
 @settings(max_examples=300, deadline=None)
 @given(op=st.sampled_from([C.CLEAR, C.SET, C.ADD_ELEMENT, C.ADD_OR_UPDATE_ELEMENT]), sid=st.integers(0, 300),
        key=_keys, fields=st.lists(_values, max_size=3))

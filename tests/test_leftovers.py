@@ -8,6 +8,7 @@ import signal
 import time
 import uuid
 
+from conftest import heavy
 from service_util import children_of, python_child, wait_dead
 from service_util import runtime  # noqa: F401  (fixture)
 
@@ -62,6 +63,7 @@ def _start(base, job, mode, env):
     return p, int(line[1])
 
 
+@heavy  # a kill loop
 def test_kill_loop_leaves_nothing_behind(runtime, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -104,6 +104,7 @@ def test_copied_base_path_resumes_after_the_original_is_deleted(spark, tmp_path)
 
 
 @pytest.mark.spark
+@heavy  # test_absolute_path_metadata_still_reads covers reading old metadata under both builds
 def test_absolute_path_job_is_upgraded_by_a_resume(spark, tmp_path):
     """A job written in the old format (absolute paths everywhere) resumes in place, and the resume
     writes the job file and the next checkpoint in the relative form."""
@@ -136,8 +137,7 @@ def test_absolute_path_job_is_upgraded_by_a_resume(spark, tmp_path):
 
 @pytest.mark.spark
 @pytest.mark.s3
-@pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                    reason="heavy; the local relocation test covers the same logic under both builds")
+@heavy  # the local relocation test covers the same logic under both builds
 def test_base_path_copied_between_s3_buckets(spark, s3_server):
     import uuid
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from conftest import heavy
 from dstl import cli
 from dstl.keygroups import assign_to_key_group
 from dstl.state import read_state_pandas, read_timers_pandas
@@ -65,8 +66,7 @@ def test_cli_rescale(tmp_path, capsys):
 
 
 @pytest.mark.spark
-@pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                    reason="heavy; test_rescale_128_256_64_keeps_every_value covers the logic under both")
+@heavy  # test_rescale_128_256_64_keeps_every_value covers the logic under both
 def test_pipeline_continues_after_128_256_64(spark, tmp_path):
     from dstl.app import pipeline
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from conftest import heavy
 from dstl.spark.rollback import ROLLBACK_FILE, finish_roll_back, roll_back
 from dstl.state.metadata import list_checkpoints
 from dstl.state.reader import StateReadError
@@ -63,8 +64,7 @@ def test_an_interrupted_roll_back_is_finished_by_the_next_open(tmp_path):
 
 
 @pytest.mark.spark
-@pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                    reason="heavy; the roll-back steps are covered by the light tests under both builds")
+@heavy  # the roll-back steps are covered by the light tests under both builds
 def test_pipeline_rolls_back_to_checkpoint_3_and_finishes_exactly_once(spark, tmp_path):
     base = tmp_path / "job"
     first = _run(spark, "--base-path", str(base), "--retain", "8", "--stop-at", "5")

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import heavy_twins
 from dstl import format as fmt
 
 from format_helpers import CYTHON, impl_params
@@ -222,6 +223,7 @@ def _bodies(impl, count, changes=50_000, joined=False):
     return out
 
 
+@heavy_twins  # memory bounds of each build
 def test_dropped_bodies_leave_their_memory_for_the_next_change_sets_within_a_bound(tmp_path):
     """A per-record loop runs ahead of its uploads: when the uploaded bodies are dropped, their arenas
     and record arrays are kept (up to 160 and 32 MiB) for the next change sets, which then reuse them

@@ -16,8 +16,11 @@ import uuid
 
 import pytest
 
+from conftest import heavy
 from service_util import children_of, python_child, service_pids, wait_dead
 from service_util import runtime  # noqa: F401  (fixture)
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 SECONDS = float(os.environ.get("DSTL_CHAOS_SECONDS", "15"))
 CLIENTS = 4

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from conftest import heavy
 from service_util import python_child, wait_dead
 from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
@@ -18,6 +19,8 @@ from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV
 from dstl.changelog.upload.uploader import HeldSpan, StateChangeFsUploader
 from dstl.types import KeyGroupRange
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 KGR = KeyGroupRange(0, 127)
 

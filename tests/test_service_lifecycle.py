@@ -9,10 +9,13 @@ import uuid
 
 import pytest
 
+from conftest import heavy
 from service_util import alive, children_of, gate_url, held_pids, python_child, wait_dead
 from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
 from dstl.types import KeyGroupRange
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 KGR = KeyGroupRange(0, 127)
 

@@ -12,11 +12,14 @@ import uuid
 
 import pytest
 
+from conftest import heavy
 from service_util import gate_url, python_child, runtime  # noqa: F401  (runtime: fixture)
 from service_util import process_storage as _storage
 from writer_modes import UPLOAD_MODES, make_storage, read_all, upload_mode  # noqa: F401  (fixtures)
 
 from dstl.types import KeyGroupRange
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 KGR = KeyGroupRange(0, 127)
 

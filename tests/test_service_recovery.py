@@ -7,11 +7,14 @@ import signal
 import time
 
 import pytest
+from conftest import heavy
 from service_util import alive, children_of, wait_dead
 from service_util import process_storage as _storage, runtime  # noqa: F401  (runtime: fixture)
 
 from dstl.changelog.upload.service.client import CLIENT_WRITES_ENV
 from dstl.types import KeyGroupRange
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 KGR = KeyGroupRange(0, 127)
 

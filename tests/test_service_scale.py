@@ -7,10 +7,13 @@ import uuid
 
 import pytest
 
+from conftest import heavy
 from service_util import Runtime, python_child
 
 from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 from dstl.types import KeyGroupRange
+
+pytestmark = heavy  # real service processes and signals; the service's code is the same under both builds
 
 WRITERS = 8
 CHANGES = 200_000

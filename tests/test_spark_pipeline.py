@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import heavy
+from conftest import heavy, heavy_twins
 from dstl import cli
 from dstl.app import pipeline
 from dstl.state.metadata import list_checkpoints, read_checkpoint, retained_files
@@ -44,6 +44,7 @@ def _unreferenced_changelog_files(base, job_id):
     return sorted(n for n in os.listdir(directory) if n not in keep)
 
 
+@heavy_twins
 def test_key_group_and_subtask_columns_match_flink_assignment(spark):
     from pyspark.sql import functions as F
 
@@ -71,6 +72,7 @@ def _dstl_gc_would_delete(capsys, base) -> str:
     return capsys.readouterr().out
 
 
+@heavy_twins
 def test_clean_run_verifies_and_leaves_no_garbage(spark, tmp_path, capsys):
     base = str(tmp_path / "job")
     report = _run(spark, *SMALL, "--base-path", base, "--verify")
@@ -133,6 +135,7 @@ def test_spark_shuffle_routing_verifies(spark, tmp_path):
     assert (tmp_path / "job" / "_dstl_failures" / "batch-000001").exists()
 
 
+@heavy_twins
 def test_input_csv_with_string_keys(spark, tmp_path):
     """--input: a CSV with string user ids and datetime timestamps, cut into batches in file order."""
     import numpy as np
@@ -151,6 +154,7 @@ def test_input_csv_with_string_keys(spark, tmp_path):
     assert out["user_id"].str.startswith("user-").all()
 
 
+@heavy_twins
 def test_input_parquet_with_int_keys(spark, tmp_path):
     """--input: a parquet file (the other format issue 6 names), int user ids, epoch-second timestamps."""
     import numpy as np
@@ -213,6 +217,7 @@ def test_kill_then_resume(spark, tmp_path):
     assert (batch1 / "_SUCCESS").exists()
 
 
+@heavy  # in-memory state: no dstl kernel runs
 def test_memory_baseline_runs_without_checkpoints(spark, tmp_path):
     base = tmp_path / "job"
     report = _run(spark, *SMALL, "--base-path", str(base), "--state", "memory")
@@ -308,6 +313,7 @@ def test_local_cluster_against_s3(s3_bucket, tmp_path):
     assert fs.exists(f"{root}/checkpoints/chk-3/_metadata")
 
 
+@heavy_twins
 def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     """Tasks of batch 1 succeed but the driver never completes checkpoint 2 (e.g. its metadata write
     failed). Re-running batch 1 must not continue the workers' backends, which already hold batch 1:

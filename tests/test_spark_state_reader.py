@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 
 import pytest
 
+from conftest import heavy, heavy_twins
 from dstl.spark import read_changes, read_state
 from dstl.state import StateReadError, read_changes_pandas
 from state_job import StateJob, frame_rows
@@ -16,6 +16,7 @@ from state_job import StateJob, frame_rows
 pytestmark = pytest.mark.spark
 
 
+@heavy_twins
 def test_read_state_and_changes_match_the_ops_applied(spark, tmp_path):
     job = StateJob(str(tmp_path / "job"))
     try:
@@ -39,8 +40,7 @@ def test_read_state_and_changes_match_the_ops_applied(spark, tmp_path):
         job.close()
 
 
-@pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                    reason="heavy; test_read_state_and_changes_match_the_ops_applied covers the logic under both")
+@heavy  # test_read_state_and_changes_match_the_ops_applied covers the logic under both
 def test_read_state_of_a_rescaled_pipeline_equals_pandas(spark, tmp_path):
     """The demo pipeline through a task failure and a rescale 2 -> 3; read_state then equals the
     pandas reference of every user's count, distinct items and last items."""

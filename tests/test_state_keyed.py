@@ -9,6 +9,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from conftest import heavy
 from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
 from dstl.state import changes as C
 from dstl.state.backend import KeyedStateBackend, KeyedStateSnapshot
@@ -442,6 +443,7 @@ def test_closed_backend_rejects_mutations(storage):
         b.snapshot(1)
 
 
+@heavy  # S3
 @pytest.mark.s3
 def test_state_on_s3_rescale_with_materialization(s3_bucket):
     # moto on a loaded machine can take over the default 1 s per attempt; this is not a timeout test

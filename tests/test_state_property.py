@@ -17,6 +17,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import heavy_twins
 from dstl.keygroups import assign_to_key_group, compute_key_group_range_for_operator_index as kg_range
 from dstl.state.backend import KeyedStateBackend
 from dstl.changelog.storage import open_storage
@@ -217,6 +218,7 @@ class Job:
                                                                               for b in self.backends))
 
 
+@heavy_twins  # the state model of each build
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(p=st.integers(1, 8), every=st.sampled_from([None, None, 7, 40]),
        program=st.lists(ops, min_size=20, max_size=80), mid_p=st.integers(1, 8), final_p=st.integers(1, 8))

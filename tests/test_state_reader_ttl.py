@@ -3,10 +3,9 @@ option ttl), timers (the `_dstl_timers` map state) and declared value schemas (t
 `state_schemas` property)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from conftest import heavy
 from dstl.changelog.storage import open_storage
 from dstl.keygroups import key_group_ranges
 from dstl.state import (CheckpointMetadata, KeyedStateBackend, SubtaskState, read_changes_pandas,
@@ -90,8 +89,7 @@ def test_expired_values_are_not_returned_and_timers_and_schemas_read(tmp_path):
 
 
 @pytest.mark.spark
-@pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                    reason="the pandas test covers the same rows under both builds")
+@heavy  # the pandas test covers the same rows under both builds
 def test_spark_readers_on_ttl_timers_and_schemas(spark, tmp_path):
     from dstl.spark import read_state, read_timers
 

@@ -5,11 +5,13 @@ import uuid
 
 import pytest
 
+from conftest import heavy
+
 from dstl.changelog.handles import ChangelogStateHandleStreamImpl
 from dstl.changelog.storage import FsStateChangelogStorage
 from dstl.types import KeyGroupRange
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, heavy]  # the local storage tests cover the logic under both builds
 T = 30
 
 

@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import heavy
+from conftest import heavy, heavy_twins
 
 pytest.importorskip("pyspark")
 
@@ -101,6 +101,7 @@ def test_processor_runs_unchanged_rescales_and_replays_change_nothing(spark, tmp
     assert latest_checkpoint(base).properties["spark_batch_id"] == 4
 
 
+@heavy_twins
 def test_exactly_once_across_crashes_at_the_two_worst_moments(spark, tmp_path):
     """In-process crashes (the SIGKILL version, with timers and TTL, is in test_state_e2e.py): after
     the checkpoint is durable and before the sink; after the sink and before Spark commits. Each
@@ -183,6 +184,7 @@ class TimerTtl(StatefulProcessor):
 TIMER_OUT = "user string, kind string, now long, expiry long, had boolean, hist long, tags long"
 
 
+@heavy_twins
 def test_timers_and_ttl_across_rescale_2_3_1(spark, tmp_path):
     base = str(tmp_path / "job")
     clock = {"now": 10_000}
@@ -280,6 +282,7 @@ def test_event_time_sessions_watermark_and_late_rows(spark, tmp_path):
     assert latest_checkpoint(base).properties["watermark_ms"] == 136_000
 
 
+@heavy  # argument and conflict checks: the same Python under both builds
 def test_friction_null_keys_conflicts_and_errors(spark, tmp_path):
     base = str(tmp_path / "job")
     pdf = pd.DataFrame({"user": ["a", None, "b", None], "v": [1, 2, 3, 4]})
@@ -310,7 +313,7 @@ def test_friction_null_keys_conflicts_and_errors(spark, tmp_path):
         StatefulStream(str(tmp_path / "j3"), Counting(), OUT, key="user", parallelism=1)(_sdf(spark, pdf), 3)
 
 
-@heavy
+# the fast tier's end-to-end StatefulStream (FAST_SPARK in conftest.py)
 def test_vectorised_function_and_initial_state(spark, tmp_path):
     """The vectorised contract fn(rows, state) and handleInitialState from initial_state=."""
     base = str(tmp_path / "vec")

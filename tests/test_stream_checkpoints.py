@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import heavy
+from conftest import heavy, heavy_twins
 
 pytest.importorskip("pyspark")
 
@@ -101,6 +101,7 @@ def test_resume_from_rolls_back_and_redoes_later_batches_once(spark, tmp_path):
         StatefulStream(str(tmp_path / "none"), Counting(), OUT, key="user", parallelism=2, resume_from=1).open()
 
 
+@heavy_twins
 def test_bootstrapped_job_continues_with_batch_0_and_ids_map_through_spark_batch_ids(spark, tmp_path):
     from dstl.spark import bootstrap_state
     from dstl.state import read_state_pandas

@@ -20,6 +20,7 @@ import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 
+from conftest import heavy
 from processors import (COUNT_OUTPUT, INITIAL_OUTPUT, SESSION_GAP_MS, SESSION_OUTPUT, TTL_OUTPUT,
                         CountingProcessor, RowCountingProcessor, RowSeededCounter, RowSessionProcessor,
                         RowTtlProcessor, SessionProcessor)
@@ -30,8 +31,6 @@ from streaming_util import (EVENTS_SCHEMA, make_batches, normalize, reference_co
 COUNT_COLS = ["user", "events", "value_sum", "batches", "kinds", "top_kind_events", "batch_id"]
 SESSION_COLS = ["user", "first_ms", "last_ms", "events", "fired_at_ms", "batch_id"]
 TTL_COLS = ["user", "total", "previous", "batch_id"]
-HEAVY = pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                           reason="heavy Spark comparison: runs once, under the Cython build")
 
 
 def _backend(storage, name="op"):
@@ -243,6 +242,7 @@ def test_api_argument_and_output_ddl_without_a_session(tmp_path):
 # --- on Spark -------------------------------------------------------------------------------------
 
 @pytest.mark.spark
+@heavy  # the runner tests above cover the Row API under both builds
 def test_stream_run_with_row_api_ttl_and_initial_state(spark, tmp_path, monkeypatch):
     """`run(df)` per batch: TTL as the pandas reference says; initial state Rows on the first batch;
     a DDL only Spark parses (NOT NULL), given while no session was active: resolved at the first batch."""
@@ -287,7 +287,7 @@ def stream_input(tmp_path_factory):
     return directory, batches
 
 
-@HEAVY
+@heavy
 @pytest.mark.spark
 @pytest.mark.slow
 def test_same_row_processor_object_on_native_transform_with_state_and_on_stream(spark, stream_input, tmp_path):
@@ -303,7 +303,7 @@ def test_same_row_processor_object_on_native_transform_with_state_and_on_stream(
     _same(ours, native.output, COUNT_COLS, "StatefulStream(api='row') vs native transformWithState")
 
 
-@HEAVY
+@heavy
 @pytest.mark.spark
 @pytest.mark.slow
 def test_row_sessions_timers_and_timestamps_match_native(spark, stream_input, tmp_path):
@@ -322,7 +322,7 @@ def test_row_sessions_timers_and_timestamps_match_native(spark, stream_input, tm
     _same(ours, native.output, SESSION_COLS, "StatefulStream(RowSessionProcessor) vs native")
 
 
-@HEAVY
+@heavy
 @pytest.mark.spark
 @pytest.mark.slow
 def test_row_initial_state_matches_native(spark, stream_input, tmp_path):

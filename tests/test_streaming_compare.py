@@ -12,17 +12,13 @@ import os
 import pandas as pd
 import pytest
 
+from conftest import heavy
 from processors import (COUNT_OUTPUT, SESSION_GAP_MS, SESSION_OUTPUT, TTL_OUTPUT, CountingProcessor,
                         SessionProcessor, TtlProcessor, count_fn)
 from streaming_util import (EVENTS_SCHEMA, make_batches, normalize, reference_counts, reference_sessions,
                             reference_ttl, run_dstl, run_native, write_json_stream)
 
-pytestmark = [
-    pytest.mark.spark,
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("DSTL_PUREPYTHON", "") not in ("", "0"),
-                       reason="heavy Spark comparison: runs once, under the Cython build"),
-]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, heavy]
 
 
 

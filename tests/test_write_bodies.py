@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from conftest import heavy
 from dstl._fast import _buffer_py, _filewrite_py
 
 from format_helpers import CYTHON, impl_params
@@ -298,6 +299,7 @@ def test_a_chunked_write_cut_short_is_an_oserror(tmp_path):
     assert len(got) == 1_000_003 and got == whole[:1_000_003]
 
 
+@heavy
 @pytest.mark.skipif(CYTHON is None, reason="the records read from the chunks are the Cython buffer's")
 def test_a_buffer_that_runs_out_of_memory_reading_its_records_keeps_every_change():
     """Appends keep no records; a seal laid out change by change, or an append_many, needs them.

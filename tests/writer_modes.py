@@ -12,12 +12,17 @@ from typing import Callable, List
 
 import pytest
 
+from conftest import heavy_twins
+
 UPLOAD_MODES: List[str] = ["direct", "thread", "process"]
+# process mode starts an upload service per test (about a second each): its runs are in the full tier,
+# under both builds; the fast tier keeps direct and thread mode
+_PARAMS = [pytest.param(m, marks=heavy_twins) if m == "process" else m for m in UPLOAD_MODES]
 
 RESULT_TIMEOUT = 20  # seconds any persist future may take in a test before it counts as hung
 
 
-@pytest.fixture(params=UPLOAD_MODES)
+@pytest.fixture(params=_PARAMS)
 def upload_mode(request) -> str:
     return request.param
 
