@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install build test test-all test-cython test-pure demo bench soak clean dist cluster-demo
+.PHONY: install build test test-all test-cython test-pure demo bench bench-scale soak clean dist cluster-demo
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ bench: build
 bench-flink: build
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
 	$(PY) bench/flink/run.py
+
+# How a micro-batch reaches its subtasks: the shuffle route beside the broadcast route, each in its
+# own driver (batch time, restores, driver JVM and Python peak RSS; docs/spark.md, "Placement").
+bench-scale: build
+	$(PY) bench/scale_route.py --json bench/results/scale_route.json
 
 # ~20+ min on 2 cores, outside `make test`: a long StatefulStream with SIGKILLs, sampled and charted
 # (docs/benchmarks.md, "Soak"). SOAK_ARGS=--smoke for a quick check.
