@@ -74,28 +74,12 @@ def main(argv) -> int:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("dstl.spark.placement").setLevel(logging.INFO)
-    from pyspark.sql import SparkSession
 
     import processors
     from dstl.spark import StatefulStream
-    from eventlog_util import eventlog_conf
+    from driver_util import driver_session
 
-    b = (SparkSession.builder.master(a.master).appName("dstl-route")
-         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-         .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
-         .config("spark.sql.execution.arrow.pyspark.enabled", "true"))
-    if a.master.startswith("local-cluster"):
-        b = b.config("spark.executor.memory", "512m")
-    if a.eventlog:
-        os.makedirs(a.eventlog, exist_ok=True)
-        for k, v in eventlog_conf(a.eventlog).items():
-            b = b.config(k, v)
-    for kv in a.conf:
-        k, v = kv.split("=", 1)
-        b = b.config(k, v)
-    spark = b.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session(a.master, "dstl-route", a.eventlog, a.conf)
     out = {"probe": None, "batches": []}
     try:
         if a.probe_broadcast:
