@@ -264,18 +264,19 @@ def test_event_time_sessions_watermark_and_late_rows(spark, tmp_path):
                            watermark_delay="5 seconds")
         return s.run(spark.createDataFrame(pd.DataFrame(rows, columns=["user", "t"]), "user string, t long"))
 
+    # Spark's rule: rows at or before the previous batch's watermark are late; timers fire against this one's
     r0 = run(2, [("a", 100_000), ("a", 101_000), ("b", 100_500)])
     assert r0.watermark_ms == 96_000 and r0.timers_fired == 0          # 101 000 - 5 s
-    r1 = run(3, [("a", 104_000), ("b", 95_000), ("c", 120_000)])       # b's 95 000 is late
-    assert r1.late_rows == 1 and r1.watermark_ms == 115_000
+    r1 = run(3, [("a", 104_000), ("b", 95_000), ("c", 120_000)])       # late-events watermark 0: b's 95 000 counts
+    assert r1.late_rows == 0 and r1.watermark_ms == 115_000
     r2 = run(1, [("c", 121_000)])                                     # wm 115 000: a (114 000) and b (110 500) close
     assert r2.timers_fired == 2
-    r3 = run(2, [("d", 140_000)])                                     # wm 116 000 (c at 131 000 still open)
+    r3 = run(2, [("d", 140_000), ("e", 115_000)])                     # e is at the late-events watermark: late
     r4 = run(2, [("d", 141_000)])                                     # wm 135 000: c closes
-    assert (r3.timers_fired, r4.timers_fired) == (0, 1)
+    assert (r3.timers_fired, r4.timers_fired, r3.late_rows) == (0, 1, 1)
     out = spark.read.parquet(base + "/output").toPandas().sort_values(["batch_id", "user"])
     assert list(zip(out["batch_id"], out["user"], out["start"], out["last"], out["n"], out["watermark"])) == [
-        (2, "a", 100_000, 104_000, 3, 115_000), (2, "b", 100_500, 100_500, 1, 115_000),
+        (2, "a", 100_000, 104_000, 3, 115_000), (2, "b", 95_000, 100_500, 2, 115_000),
         (4, "c", 120_000, 121_000, 2, 135_000)]
     from dstl.state.metadata import latest_checkpoint
 

@@ -94,6 +94,9 @@ class BatchContext:
     initial_schema: Any = None
     time_zone: Optional[str] = None
     output_arrow_schema: Any = None
+    #: EventTime: rows with event time <= this are late (Spark's late-events watermark, the previous
+    #: batch's eviction watermark; `watermark_ms` is this batch's, for timers and TimerValues)
+    late_watermark_ms: int = 0
 
     def timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -153,6 +156,8 @@ class _StateAdapter:
 class ValueStateAdapter(_StateAdapter):
     """Spark's ValueState: exists / get / update / clear for the grouping key."""
 
+    kind = "value"
+
     # exists, get and update are called once or more per key: the key check and the plain-tuple codec
     # are inlined (one Python frame per call instead of three); the state's get/update are the keyed
     # kernel's bound C methods (tests/test_state_fastpath.py)
@@ -183,6 +188,8 @@ class ValueStateAdapter(_StateAdapter):
 class ListStateAdapter(_StateAdapter):
     """Spark's ListState: exists / get / put / appendValue / appendList / clear."""
 
+    kind = "list"
+
     def exists(self) -> bool:
         return bool(self._s.get(self._key()))
 
@@ -208,6 +215,8 @@ class ListStateAdapter(_StateAdapter):
 class MapStateAdapter(_StateAdapter):
     """Spark's MapState: exists / getValue / containsKey / updateValue / iterator / keys / values /
     removeKey / clear."""
+
+    kind = "map"
 
     def __init__(self, handle, state, spec):
         super().__init__(handle, state, spec)
@@ -247,6 +256,39 @@ class MapStateAdapter(_StateAdapter):
         self._s.clear(self._key())
 
 
+# After `deleteIfExists(name)` Spark's state server has no column family `name`: every call on a
+# handle of it fails with a PySparkRuntimeError whose text starts as the state client's does.
+_MISSING = ("[STATE_STORE_UNSUPPORTED_OPERATION_ON_MISSING_COLUMN_FAMILY] State store operation={op} "
+            "not supported on missing column family={name}.")
+_DROPPED_MESSAGES = {
+    "value": {"exists": "Error checking value state exists", "get": "Error getting value state",
+              "update": "Error updating value state", "clear": "Error clearing value state"},
+    "list": {"exists": "Error checking value state exists", "get": "Error getting list state",
+             "put": "Error updating value state", "appendValue": "Error updating value state",
+             "appendList": "Error updating value state", "clear": "Error clearing value state"},
+    "map": {"exists": "Error checking map state exists", "getValue": "Error getting value",
+            "containsKey": "Error checking if map state contains key",
+            "updateValue": "Error updating map state value", "iterator": "Error getting map state iterator",
+            "keys": "Error getting map state keys", "values": "Error getting map state values",
+            "removeKey": "Error removing key from map state", "clear": "Error clearing map state"},
+}
+
+
+def _dropped_class(live: type, kind: str) -> type:
+    """`live`'s methods, each raising as Spark does on a deleted state."""
+    def failing(method: str, text: str):
+        def call(self, *args, **kwargs):
+            from pyspark.errors import PySparkRuntimeError
+
+            raise PySparkRuntimeError(f"{text}: " + _MISSING.format(op=method, name=self._spec.name))
+        call.__name__ = method
+        return call
+
+    attrs = {m: failing(m, t) for m, t in _DROPPED_MESSAGES[kind].items()}
+    attrs["__doc__"] = f"A {live.__name__} whose state was deleted (deleteIfExists): every call raises."
+    return type(f"Dropped{live.__name__}", (live,), attrs)
+
+
 class ProcessorHandle:
     """Spark's StatefulProcessorHandle on a dstl backend (or, without one, a recorder of declared
     states: what the driver runs `init` with to learn the state schemas, as Spark's PRE_INIT does)."""
@@ -257,6 +299,8 @@ class ProcessorHandle:
         self._key: Any = None
         self.schemas: Dict[str, StateSchema] = {}
         self._timers = None
+        #: the handles given out per state name (deleteIfExists turns them into failing ones)
+        self._handed: Dict[str, List[_StateAdapter]] = {}
 
     # ---------------------------------------------------------------- states
     def _declare(self, spec: StateSchema) -> StateSchema:
@@ -294,23 +338,37 @@ class ProcessorHandle:
     def _batch_clock(self) -> int:
         return self._ctx.batch_timestamp_ms
 
+    def _hand_out(self, cls: type, spec: StateSchema):
+        raw = self._raw(spec)
+        adapter = cls(self, raw, spec)
+        handed = self._handed.setdefault(spec.name, [])
+        for old in handed:  # registered again: the earlier handles work again, on the new state
+            old.__class__ = old._live
+            old._s = raw
+        handed.append(adapter)
+        return adapter
+
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> ValueStateAdapter:
         spec = self._declare(StateSchema(stateName, "value", schema, ttl_ms=ttlDurationMs))
-        return ValueStateAdapter(self, self._raw(spec), spec)
+        return self._hand_out(ValueStateAdapter, spec)
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> ListStateAdapter:
         spec = self._declare(StateSchema(stateName, "list", schema, ttl_ms=ttlDurationMs))
-        return ListStateAdapter(self, self._raw(spec), spec)
+        return self._hand_out(ListStateAdapter, spec)
 
     def getMapState(self, stateName: str, userKeySchema: Any, valueSchema: Any,
                     ttlDurationMs: Optional[int] = None) -> MapStateAdapter:
         spec = self._declare(StateSchema(stateName, "map", valueSchema, userKeySchema, ttlDurationMs))
-        return MapStateAdapter(self, self._raw(spec), spec)
+        return self._hand_out(MapStateAdapter, spec)
 
     def deleteIfExists(self, stateName: str) -> None:
-        """Remove the state and every value of it (every key of this subtask: the whole state)."""
+        """Remove the state and every value of it (every key of this subtask: the whole state).
+        As in Spark, a handle of it raises `PySparkRuntimeError` on any call afterwards, until the
+        state is registered again (getValueState / getListState / getMapState with its name)."""
         b = self._b
         self.schemas.pop(stateName, None)
+        for adapter in self._handed.get(stateName, []):
+            adapter.__class__ = adapter._dropped
         if b is None or stateName not in b._states:
             return
         raw = b._states[stateName]
@@ -344,6 +402,11 @@ class ProcessorHandle:
 
     def listTimers(self) -> Iterator[int]:
         return iter(self._timer_service().list(self._timer_key()))
+
+
+for _cls in (ValueStateAdapter, ListStateAdapter, MapStateAdapter):
+    _cls._live = _cls
+    _cls._dropped = _dropped_class(_cls, _cls.kind)
 
 
 def declared_schemas(processor: Any) -> Dict[str, StateSchema]:
@@ -549,43 +612,51 @@ def evolve_states(backend, evolutions: Dict[str, Dict[str, Any]], now_ms: int) -
 
 def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
                  initial_by_subtask: Optional[Dict[int, Any]] = None,
-                 event_col: Optional[str] = None,
+                 event_cols: Optional[List[str]] = None,
                  evolutions: Optional[Dict[str, Dict[str, Any]]] = None) -> Callable:
     """`fn(rows, backend)` for the stateful task: a StatefulProcessor, or a vectorised function
     (called as is) when `processor` is not one.
 
-    Before the user's code sees the rows, null keys are counted and dropped (the driver decides
-    whether that is an error), and with `event_col` (epoch ms) late rows (before the watermark) are
-    counted and dropped, the batch's maximum event time noted, and the column removed.
+    Before the user's code sees the rows, with `event_cols` (epoch ms, one per watermarked column)
+    each column's largest event time is noted (late rows and null keys included, as Spark's
+    watermark operator sees every row), rows whose first event-time column is at or before the
+    late-events watermark are counted and dropped (dstl.spark.watermark), and the columns removed;
+    null keys are counted and dropped (the driver decides whether that is an error).
     `evolutions` (the first batch after a resume whose declared schemas changed): the states whose
     stored values are converted to their new layout before the processor sees them."""
     import dataclasses
+
+    import numpy as np
 
     from dstl.spark import keyed as K
 
     vectorised = not is_stateful_processor(processor)
     ts = ctx.batch_timestamp_ms
+    event_cols = list(event_cols or [])
 
     def prepare(rows):
         metrics = K.task_metrics()
         if not len(rows):
-            if event_col is not None and event_col in rows.columns:
-                rows = rows.drop(columns=[event_col])
-            return rows
+            present = [c for c in event_cols if c in rows.columns]
+            return rows.drop(columns=present) if present else rows
+        if event_cols:
+            maxima = {}
+            for i, c in enumerate(event_cols):
+                et = rows[c].to_numpy(dtype="float64", na_value=np.nan)
+                if not np.isnan(et).all():
+                    maxima[str(i)] = int(np.nanmax(et))
+            if maxima:
+                metrics["max_event_ms"] = maxima
+            first = rows[event_cols[0]].to_numpy(dtype="float64", na_value=np.nan)
+            late = first <= ctx.late_watermark_ms  # NaN (a null event time) is never late
+            if late.any():
+                metrics["late_rows"] = int(late.sum())
+                rows = rows[~late]
+            rows = rows.drop(columns=event_cols)
         null = rows[key_col].isna().to_numpy()
         if null.any():
             metrics["null_rows"] = int(null.sum())
             rows = rows[~null]
-        if event_col is not None:
-            et = rows[event_col].to_numpy()
-            late = et < ctx.watermark_ms
-            if late.any():
-                metrics["late_rows"] = int(late.sum())
-                rows = rows[~late]
-                et = et[~late]
-            if len(et):
-                metrics["max_event_ms"] = int(et.max())
-            rows = rows.drop(columns=[event_col])
         if null.any() and rows[key_col].dtype.kind == "f":  # an integer key column that held nulls
             rows = rows.astype({key_col: "int64"})
         return rows.reset_index(drop=True)

@@ -140,7 +140,8 @@ class StatefulStream:
                  null_keys: str = "error",
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
-                 resume_from: Optional[int] = None, api: str = "pandas"):
+                 resume_from: Optional[int] = None, api: str = "pandas",
+                 watermark_policy: Optional[str] = None):
         from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
         from dstl.spark.processor import is_stateful_processor, normalize_api, normalize_time_mode
 
@@ -162,13 +163,31 @@ class StatefulStream:
         if self.max_parallelism is not None and self.parallelism > self.max_parallelism:
             raise ValueError(f"parallelism {self.parallelism} exceeds max_parallelism {self.max_parallelism}")
         self.time_mode = normalize_time_mode(time_mode)
-        if self.time_mode == "EventTime" and not event_time_column:
+        columns = [event_time_column] if isinstance(event_time_column, str) else list(event_time_column or [])
+        if any(not isinstance(c, str) or not c for c in columns) or len(set(columns)) != len(columns):
+            raise ValueError(f"event_time_column must be a column name or a list of distinct names, "
+                             f"got {event_time_column!r}")
+        if self.time_mode == "EventTime" and not columns:
             raise ValueError("time_mode='EventTime' needs event_time_column")
-        if event_time_column and self.time_mode != "EventTime":
+        if columns and self.time_mode != "EventTime":
             raise ValueError(f"event_time_column={event_time_column!r} needs time_mode='EventTime'")
         if watermark_delay is not None and self.time_mode != "EventTime":
             raise ValueError("watermark_delay needs time_mode='EventTime'")
-        self.watermark_delay_ms = parse_delay_ms(watermark_delay)
+        if isinstance(watermark_delay, (list, tuple)):
+            if len(watermark_delay) != len(columns):
+                raise ValueError(f"watermark_delay has {len(watermark_delay)} delays for "
+                                 f"{len(columns)} event-time columns")
+            delays = [parse_delay_ms(d) for d in watermark_delay]
+        else:
+            delays = [parse_delay_ms(watermark_delay)] * len(columns)
+        #: {event-time column: its delay in ms}; the first column decides which rows are late
+        self.watermark_delays_ms = dict(zip(columns, delays))
+        self.watermark_delay_ms = delays[0] if delays else 0
+        if watermark_policy is not None:
+            from dstl.spark.watermark import normalize_policy
+
+            watermark_policy = normalize_policy(watermark_policy)
+        self.watermark_policy = watermark_policy
         if null_keys not in ("error", "drop"):
             raise ValueError(f"null_keys must be 'error' or 'drop', got {null_keys!r}")
         if sink is not None and not callable(sink):
@@ -180,7 +199,8 @@ class StatefulStream:
         self.processor = processor
         self.output_schema = output_schema
         self.key = key
-        self.event_time_column = event_time_column
+        self.event_time_column = columns[0] if columns else None
+        self.event_time_columns = columns
         self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
         self.sink = sink
         from dstl.config import storage_config
@@ -358,28 +378,31 @@ class StatefulStream:
         if self.key not in sdf.columns:
             raise ValueError(f"key column {self.key!r} is not in batch {batch_id} "
                              f"(columns: {', '.join(sdf.columns)})")
-        if self.event_time_column and self.event_time_column not in sdf.columns:
-            raise ValueError(f"event_time_column {self.event_time_column!r} is not in batch {batch_id} "
-                             f"(columns: {', '.join(sdf.columns)})")
+        for col in self.event_time_columns:
+            if col not in sdf.columns:
+                raise ValueError(f"event_time_column {col!r} is not in batch {batch_id} "
+                                 f"(columns: {', '.join(sdf.columns)})")
         t0 = time.perf_counter()
         batch_ts = int(self.clock())
         latest = coord.latest
-        watermark = int(latest.properties.get("watermark_ms", 0)) if latest is not None else 0
+        marks = self._watermarks(spark, latest)
         maxp = coord.spec.max_parallelism
         # null keys ride with subtask 0, whose task counts and drops them (no extra pass over the input)
         keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
-        if self.time_mode == "EventTime":
-            keyed = keyed.withColumn(ET_COL, _event_ms(sdf, self.event_time_column))
+        et_cols = [f"{ET_COL}_{i}" for i in range(len(self.event_time_columns))]
+        for name, col in zip(et_cols, self.event_time_columns):
+            keyed = keyed.withColumn(name, _event_ms(sdf, col))
         stage = self._stage_for(spark)
         t_prep = time.perf_counter()
         # the stage evaluates `keyed` once (the shuffle's map side, or the broadcast): nothing to persist
         out_schema = self._output_struct_type()
-        ctx = BatchContext(batch_ts, watermark, self.time_mode, api=self.api)
+        ctx = BatchContext(batch_ts, marks.eviction_ms, self.time_mode, api=self.api,
+                           late_watermark_ms=marks.late_ms)
         if self.api == "row":
             ctx = self._row_context(ctx, spark, sdf, out_schema)
         initial = self._initial_by_subtask(maxp) if latest is None else None
         fn = make_task_fn(self.processor, self.key, ctx, initial,
-                          event_col=ET_COL if self.time_mode == "EventTime" else None,
+                          event_cols=et_cols,
                           evolutions=self._evolutions)
         plan = coord.plan(batch_id, self.parallelism)
         plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
@@ -396,17 +419,17 @@ class StatefulStream:
                                f"(of {sum(r.rows_in for r in reports)} rows); pass null_keys='drop' "
                                f"to drop and count them")
         late = sum(r.metric("late_rows") for r in reports)
-        event_max = [r.metric("max_event_ms", None) for r in reports]
-        event_max = [m for m in event_max if m is not None]
-        max_et = max(event_max) if event_max else None
-        new_wm = watermark
-        if self.time_mode == "EventTime" and max_et is not None:
-            new_wm = max(watermark, int(max_et) - self.watermark_delay_ms)
+        maxima: Dict[str, Optional[int]] = {}
+        for i, col in enumerate(self.event_time_columns):
+            seen = [r.metric("max_event_ms", {}).get(str(i)) for r in reports]
+            seen = [m for m in seen if m is not None]
+            maxima[col] = max(seen) if seen else None
+        after = marks.advance(maxima, self.watermark_delays_ms)
+        new_wm = after.eviction_ms
         fired = sum(r.metric("timers_fired") for r in reports)
-        props = {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts, "watermark_ms": new_wm,
-                 "batch_watermark_ms": watermark, "late_rows": late, "null_rows_dropped": nulls,
+        props = {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts, "late_rows": late, "null_rows_dropped": nulls,
                  "time_mode": self.time_mode, "state_schemas": self._schemas or {},
-                 "timers_fired": fired}
+                 "timers_fired": fired, **after.properties(marks)}
         stats = coord.complete(plan, reports, properties=props,
                                after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
         evolved = sorted(self._evolutions)
@@ -428,6 +451,21 @@ class StatefulStream:
                        "commit": (t_end - t_tasks) * 1e3})
         self.results.append(res)
         return res
+
+    def _watermarks(self, spark, latest):
+        """This batch's watermarks (dstl.spark.watermark), from the checkpoint it continues from."""
+        from dstl.spark.watermark import DEFAULT_POLICY, POLICY_CONF, Watermarks, normalize_policy
+
+        policy = self.watermark_policy
+        if policy is None:
+            policy = normalize_policy(spark.conf.get(POLICY_CONF, DEFAULT_POLICY) or DEFAULT_POLICY)
+        props = latest.properties if latest is not None else None
+        marks = Watermarks.from_properties(props, self.event_time_columns, policy)
+        if self.watermark_policy is not None and marks.policy != self.watermark_policy:
+            log.warning("watermark_policy=%r ignored: the job at %s runs with the policy %r recorded in "
+                        "its checkpoints (as Spark keeps a query's)", self.watermark_policy,
+                        self.base_path, marks.policy)
+        return marks
 
     def _output_struct_type(self):
         """The output schema as a StructType (a DDL string only Spark parses: parsed now, once)."""

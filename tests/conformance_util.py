@@ -1,0 +1,174 @@
+"""Run one StatefulProcessor natively (`groupBy(...).transformWithStateInPandas` or
+`.transformWithState`) and through `foreachBatch(StatefulStream(...))` over the same JSON file
+stream, and return both outputs per micro-batch as multisets of plain tuples.
+
+Native runs with the RocksDB provider and without no-data micro-batches (tests/streaming_util.py's
+NATIVE_CONF), so both engines see one micro-batch per file. Native's batch timestamps are noted by
+a Recording wrapper and replayed to dstl through `clock=`, so processing-time timers and TTL meet
+the same clock.
+"""
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import decimal
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from conform_processors import Recording, recorded_timestamps
+from streaming_util import NATIVE_CONF, spark_conf
+
+
+@dataclass
+class Case:
+    name: str
+    factory: Callable[[bool], Any]          # use_pandas -> a processor
+    output: str                            # output DDL
+    input_schema: str                      # input DDL (JSON file stream)
+    batches: Sequence[Sequence[dict]]      # one list of records per micro-batch
+    keys: Sequence[str] = ("id",)
+    time_mode: str = "None"
+    output_mode: str = "Update"
+    event_time: Optional[str] = None
+    delay: Optional[str] = None
+    initial: Optional[Sequence[dict]] = None
+    initial_schema: Optional[str] = None
+    flavours: Sequence[str] = ("pandas", "row")
+    stream_options: Dict[str, Any] = field(default_factory=dict)
+
+
+def _json_value(v):
+    if isinstance(v, (dt.datetime, dt.date)):
+        return v.isoformat()
+    return v
+
+
+def write_stream(directory: str, batches: Sequence[Sequence[dict]]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for i, records in enumerate(batches):
+        tmp = os.path.join(directory, f".b{i:04d}.tmp")
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps({k: _json_value(v) for k, v in r.items()}) + "\n")
+        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
+        os.replace(tmp, os.path.join(directory, f"b{i:04d}.json"))
+
+
+def plain(value: Any) -> Any:
+    """A collected value as something hashable and comparable (Rows and dicts included)."""
+    if isinstance(value, tuple) and hasattr(value, "asDict"):
+        return ("Row",) + tuple((k, plain(v)) for k, v in value.asDict().items())
+    if isinstance(value, dict):
+        return ("map",) + tuple(sorted(((plain(k), plain(v)) for k, v in value.items()), key=repr))
+    if isinstance(value, (list, tuple)):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, decimal.Decimal):
+        return ("dec", str(value))
+    return value
+
+
+def per_batch(rows: List[Any], columns: Sequence[str]) -> Dict[int, collections.Counter]:
+    out: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in rows:
+        d = r.asDict()
+        out[int(d["batch_id"])][tuple(plain(d[c]) for c in columns)] += 1
+    return dict(out)
+
+
+def _source(spark, case: Case, directory: str):
+    return spark.readStream.schema(case.input_schema).option("maxFilesPerTrigger", 1).json(directory)
+
+
+def _initial(spark, case: Case):
+    if case.initial is None:
+        return None
+    return spark.createDataFrame([tuple(r.values()) for r in case.initial], case.initial_schema)
+
+
+def run_native(spark, case: Case, flavour: str, directory: str, work: str):
+    """Native output rows (with batch_id) and the batch timestamps it used."""
+    stamps = os.path.join(work, f"native-{flavour}.ts")
+    proc = Recording(case.factory(flavour == "pandas"), stamps)
+    events = _source(spark, case, directory)
+    if case.event_time is not None:
+        events = events.withWatermark(case.event_time, case.delay)
+    grouped = events.groupBy(*case.keys)
+    op = grouped.transformWithState if flavour == "row" else grouped.transformWithStateInPandas
+    init = _initial(spark, case)
+    out = op(proc, case.output, case.output_mode, case.time_mode,
+             initialState=None if init is None else init.groupBy(*case.keys))
+    collected: List[Any] = []
+
+    def sink(df, batch_id):
+        from pyspark.sql import functions as F
+
+        collected.extend(df.withColumn("batch_id", F.lit(batch_id)).collect())
+
+    with spark_conf(spark, NATIVE_CONF):
+        q = (out.writeStream.foreachBatch(sink).option("checkpointLocation", os.path.join(work, f"nck-{flavour}"))
+             .trigger(availableNow=True).start())
+        try:
+            q.awaitTermination()
+        finally:
+            q.stop()
+    return collected, recorded_timestamps(stamps)
+
+
+def run_dstl(spark, case: Case, flavour: str, directory: str, work: str, stamps: Sequence[int]):
+    """dstl's output rows (with batch_id), the clock replaying native's batch timestamps."""
+    from dstl.spark import StatefulStream
+
+    ticks = iter(list(stamps))
+    last = [max(stamps) if stamps else 0]
+
+    def clock():
+        last[0] = next(ticks, last[0])
+        return last[0]
+
+    keys = list(case.keys)
+    opts = dict(case.stream_options)
+    if case.event_time is not None:
+        opts.update(event_time_column=case.event_time, watermark_delay=case.delay)
+    base = os.path.join(work, f"dstl-{flavour}")
+    stream = StatefulStream(base, case.factory(flavour == "pandas"), case.output,
+                            key=keys[0] if len(keys) == 1 else keys, parallelism=2,
+                            time_mode=case.time_mode, api=flavour, initial_state=_initial(spark, case),
+                            clock=clock, **opts)
+    q = (_source(spark, case, directory).writeStream.foreachBatch(stream)
+         .option("checkpointLocation", os.path.join(work, f"dck-{flavour}")).trigger(availableNow=True).start())
+    try:
+        q.awaitTermination()
+    finally:
+        q.stop()
+        stream.close()
+    return spark.read.parquet(os.path.join(base, "output")).collect(), stream
+
+
+def compare(spark, case: Case, flavour: str, work: str):
+    """(native per batch, dstl per batch, the dstl stream) for one case in one flavour."""
+    directory = os.path.join(work, "input")
+    if not os.path.isdir(directory):
+        write_stream(directory, case.batches)
+    native_rows, stamps = run_native(spark, case, flavour, directory, work)
+    dstl_rows, stream = run_dstl(spark, case, flavour, directory, work, stamps)
+    columns = [c.strip().split()[0] for c in _top_level(case.output)]
+    return per_batch(native_rows, columns), per_batch(dstl_rows, columns), stream
+
+
+def _top_level(ddl: str) -> List[str]:
+    """The top-level column definitions of a DDL string (commas inside <...> are not separators)."""
+    parts, depth, cur = [], 0, ""
+    for ch in ddl:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p for p in parts if p.strip()]

@@ -1,0 +1,69 @@
+"""Same rows as Spark's own operator: each processor of tests/conform_processors.py runs natively
+(transformWithStateInPandas / transformWithState) and on dstl (foreachBatch(StatefulStream)) over
+the same JSON file stream, in both flavours, and every micro-batch's output must be the same
+multiset of rows (tests/conformance_util.py). Heavy: two streaming queries per case and flavour.
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from conform_processors import (CompositeValues, DroppedStates, EventTimeCount, EventTimeMax,
+                                FirstTimestamp, InitialStateTimers, ProcTimeTimers, TtlStates)
+from conformance_util import Case, compare
+from conftest import heavy
+
+pytestmark = [pytest.mark.spark, heavy]
+
+
+def _t(seconds: int) -> str:
+    return (dt.datetime(1970, 1, 1) + dt.timedelta(seconds=seconds)).isoformat()
+
+
+TEMPS = [[{"id": "0", "temperature": 123}, {"id": "0", "temperature": 23}, {"id": "1", "temperature": 146},
+          {"id": "1", "temperature": 246}],
+         [{"id": "0", "temperature": 101}, {"id": "0", "temperature": 123}, {"id": "1", "temperature": 46},
+          {"id": "3", "temperature": 12}]]
+
+CASES = [
+    # batch 1's ("a", 4 s) is before batch 1's eviction watermark (20 s) but not its late-events
+    # watermark (batch 0's, 0): Spark keeps it; batch 2's ("a", 15 s) is at or before 20 s: late
+    Case("event_time_max", EventTimeMax, EventTimeMax.OUTPUT, "id string, eventTime timestamp",
+         [[{"id": "a", "eventTime": _t(20)}, {"id": "a", "eventTime": _t(25)}, {"id": "b", "eventTime": _t(30)}],
+          [{"id": "a", "eventTime": _t(4)}, {"id": "c", "eventTime": _t(40)}],
+          [{"id": "a", "eventTime": _t(15)}, {"id": "d", "eventTime": _t(55)}, {"id": "a", "eventTime": _t(50)}]],
+         time_mode="EventTime", event_time="eventTime", delay="10 seconds"),
+    Case("event_time_count", EventTimeCount, EventTimeCount.OUTPUT, "id string, eventTime timestamp",
+         [[{"id": "a", "eventTime": _t(10)}, {"id": "b", "eventTime": _t(30)}],
+          [{"id": "a", "eventTime": _t(5)}, {"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(40)}],
+          [{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(31)}, {"id": "b", "eventTime": _t(45)}]],
+         time_mode="EventTime", event_time="eventTime", delay="10 seconds"),
+    Case("dropped_states", DroppedStates, DroppedStates.OUTPUT, "id string, temperature int", TEMPS),
+    Case("dropped_states_ttl", lambda p: DroppedStates(p, ttl_ms=30_000), DroppedStates.OUTPUT,
+         "id string, temperature int", TEMPS, time_mode="ProcessingTime"),
+    Case("proc_time_timers", ProcTimeTimers, ProcTimeTimers.OUTPUT, "id string, temperature int",
+         TEMPS + [[{"id": "0", "temperature": 1}]], time_mode="ProcessingTime"),
+    Case("initial_state_timers", InitialStateTimers, InitialStateTimers.OUTPUT, "id string, temperature int",
+         TEMPS, time_mode="ProcessingTime",
+         initial=[{"id": "0", "initVal": 789}, {"id": "3", "initVal": 987}, {"id": "3", "initVal": 1}],
+         initial_schema="id string, initVal int"),
+    Case("ttl_states", TtlStates, TtlStates.OUTPUT, "id string, temperature int", TEMPS + TEMPS,
+         time_mode="ProcessingTime"),
+    Case("timestamp_output", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
+         [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
+          [{"id": "a", "eventTime": _t(44)}]]),
+    Case("composite_values", CompositeValues, CompositeValues.OUTPUT, "id string, temperature int",
+         TEMPS + TEMPS[:1]),
+]
+
+
+@pytest.mark.parametrize("flavour", ["pandas", "row"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_same_rows_as_spark(spark, tmp_path, case, flavour):
+    native, ours, _ = compare(spark, case, flavour, str(tmp_path))
+    assert native, f"{case.name}: the native run produced no output at all"
+    assert sorted(ours) == sorted(native), f"{case.name}/{flavour}: batches differ"
+    for b in sorted(native):
+        assert ours[b] == native[b], (f"{case.name}/{flavour} batch {b}: native {sorted(native[b].items())} "
+                                      f"!= dstl {sorted(ours[b].items())}")
