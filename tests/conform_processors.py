@@ -131,10 +131,9 @@ class EventTimeCount(StatefulProcessor):
 
 
 class DroppedStates(StatefulProcessor):
-    """A violation counter, plus states deleted in init: one stays deleted (every call on it must
-    raise), one is registered again (it must work)."""
+    """A violation counter, plus states deleted in init: every call on them must raise."""
 
-    OUTPUT = "id string, violations long, raised string, reborn long"
+    OUTPUT = "id string, violations long, raised string"
 
     def __init__(self, use_pandas: bool, ttl_ms=None):
         self.use_pandas, self.ttl_ms = use_pandas, ttl_ms
@@ -145,9 +144,6 @@ class DroppedStates(StatefulProcessor):
         self.temp_list = handle.getListState("tempList", "value int")
         handle.deleteIfExists("tempState")
         handle.deleteIfExists("tempList")
-        self.reborn = handle.getValueState("reborn", "value long")
-        handle.deleteIfExists("reborn")
-        self.reborn = handle.getValueState("reborn", "value long")
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator:
         from pyspark.errors import PySparkRuntimeError
@@ -162,9 +158,7 @@ class DroppedStates(StatefulProcessor):
         total = self.violations.get()[0] if self.violations.exists() else 0
         total += sum(1 for r in _rows(rows, self.use_pandas) if r.temperature > 100)
         self.violations.update((total,))
-        reborn = (self.reborn.get()[0] if self.reborn.exists() else 0) + 1
-        self.reborn.update((reborn,))
-        return _emit([{"id": key[0], "violations": total, "raised": "|".join(raised), "reborn": reborn}],
+        return _emit([{"id": key[0], "violations": total, "raised": "|".join(raised)}],
                      self.use_pandas)
 
     def close(self) -> None:

@@ -301,6 +301,7 @@ class ProcessorHandle:
         self._timers = None
         #: the handles given out per state name (deleteIfExists turns them into failing ones)
         self._handed: Dict[str, List[_StateAdapter]] = {}
+        self._defined: set = set()
 
     # ---------------------------------------------------------------- states
     def _declare(self, spec: StateSchema) -> StateSchema:
@@ -308,9 +309,14 @@ class ProcessorHandle:
             raise ValueError(f"a state name must be a non-empty str, got {spec.name!r}")
         if spec.name.startswith(RESERVED_PREFIX):
             raise ValueError(f"state names starting with {RESERVED_PREFIX!r} are reserved for dstl: {spec.name!r}")
-        old = self.schemas.get(spec.name)
-        if old is not None and old.kind != spec.kind:
-            raise ValueError(f"state {spec.name!r} is declared twice, as {old.kind} and as {spec.kind} state")
+        if spec.name in self._defined:
+            from pyspark.errors import PySparkRuntimeError
+
+            # Spark refuses a second definition in one init, even after deleteIfExists
+            raise PySparkRuntimeError(
+                f"Error initializing {spec.kind} state: [STATEFUL_PROCESSOR_DUPLICATE_STATE_VARIABLE_DEFINED] "
+                f"State variable with name {spec.name} has already been defined in the StatefulProcessor.")
+        self._defined.add(spec.name)
         self.schemas[spec.name] = spec
         return spec
 
@@ -339,13 +345,8 @@ class ProcessorHandle:
         return self._ctx.batch_timestamp_ms
 
     def _hand_out(self, cls: type, spec: StateSchema):
-        raw = self._raw(spec)
-        adapter = cls(self, raw, spec)
-        handed = self._handed.setdefault(spec.name, [])
-        for old in handed:  # registered again: the earlier handles work again, on the new state
-            old.__class__ = old._live
-            old._s = raw
-        handed.append(adapter)
+        adapter = cls(self, self._raw(spec), spec)
+        self._handed.setdefault(spec.name, []).append(adapter)
         return adapter
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> ValueStateAdapter:
@@ -363,8 +364,8 @@ class ProcessorHandle:
 
     def deleteIfExists(self, stateName: str) -> None:
         """Remove the state and every value of it (every key of this subtask: the whole state).
-        As in Spark, a handle of it raises `PySparkRuntimeError` on any call afterwards, until the
-        state is registered again (getValueState / getListState / getMapState with its name)."""
+        As in Spark, a handle of it raises `PySparkRuntimeError` on any call afterwards, and the
+        name cannot be defined again in the same `init`."""
         b = self._b
         self.schemas.pop(stateName, None)
         for adapter in self._handed.get(stateName, []):
@@ -405,7 +406,6 @@ class ProcessorHandle:
 
 
 for _cls in (ValueStateAdapter, ListStateAdapter, MapStateAdapter):
-    _cls._live = _cls
     _cls._dropped = _dropped_class(_cls, _cls.kind)
 
 

@@ -172,9 +172,11 @@ def _codec(dt) -> Tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     from pyspark.sql import types as T
 
     if isinstance(dt, T.StructType):
+        # a nested struct comes back as a Row, as Spark's state clients return it
         inner = ValueSchema(dt)
+        make_row = T.Row(*inner.names)
         return (lambda v: None if v is None else inner.encode(v),
-                lambda w: None if w is None else inner.decode(w))
+                lambda w: None if w is None else make_row(*inner.decode(w)))
     if isinstance(dt, T.ArrayType):
         enc, dec = _codec(dt.elementType)
         return (lambda v: None if v is None else [enc(x) for x in v],
@@ -310,6 +312,8 @@ class ValueSchema:
             raise TypeError(f"a state value must be a tuple of ({', '.join(self.names)}), got None")
         if isinstance(value, dict):
             value = tuple(value.get(n) for n in self.names)
+        elif getattr(value, "__from_dict__", False):  # Row(name=...): by name, as Spark reads it
+            value = tuple(value.asDict().get(n) for n in self.names)
         elif not isinstance(value, (tuple, list)):
             if self._n == 1:  # a bare scalar for a one-field schema: forgiving, as a user expects
                 value = (value,)
