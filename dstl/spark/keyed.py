@@ -492,7 +492,8 @@ def _arrow_output_schema(schema):
 
     if isinstance(schema, str):
         schema = struct_from_ddl(schema)
-    return to_arrow_schema(schema)
+    # TimestampType columns are instants (UTC in Arrow); PySpark 4.3 wants the zone named
+    return to_arrow_schema(schema, timezone="UTC")
 
 
 def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
