@@ -312,8 +312,6 @@ class ValueSchema:
             raise TypeError(f"a state value must be a tuple of ({', '.join(self.names)}), got None")
         if isinstance(value, dict):
             value = tuple(value.get(n) for n in self.names)
-        elif getattr(value, "__from_dict__", False):  # Row(name=...): by name, as Spark reads it
-            value = tuple(value.asDict().get(n) for n in self.names)
         elif not isinstance(value, (tuple, list)):
             if self._n == 1:  # a bare scalar for a one-field schema: forgiving, as a user expects
                 value = (value,)
