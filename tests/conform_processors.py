@@ -349,3 +349,32 @@ class CompositeValues(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+class TwoKeyTotals(StatefulProcessor):
+    """Grouped by two columns: running temperature totals seeded by an initial state, emitted with
+    both key parts as Spark passes them (a tuple of two)."""
+
+    OUTPUT = "id1 string, id2 bigint, value string"
+
+    def __init__(self, use_pandas: bool):
+        self.use_pandas = use_pandas
+
+    def init(self, handle) -> None:
+        self.value = handle.getValueState("value_state", "value int")
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        vals = ([int(v) for v in initialState["initVal"].tolist()] if self.use_pandas
+                else [int(initialState.initVal)])
+        self.value.update(((self.value.get()[0] if self.value.exists() else 0) + sum(vals),))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator:
+        assert isinstance(key, tuple) and len(key) == 2, key
+        rows = _rows(rows, self.use_pandas)
+        assert all((r.id1, r.id2) == key for r in rows), (key, rows)
+        total = (self.value.get()[0] if self.value.exists() else 0) + sum(int(r.temperature) for r in rows)
+        self.value.update((total,))
+        return _emit([{"id1": key[0], "id2": int(key[1]), "value": str(total)}], self.use_pandas)
+
+    def close(self) -> None:
+        pass

@@ -10,7 +10,7 @@ import datetime as dt
 import pytest
 
 from conform_processors import (CompositeValues, DroppedStates, EventTimeCount, EventTimeMax,
-                                FirstTimestamp, InitialStateTimers, ProcTimeTimers, TtlStates)
+                                FirstTimestamp, InitialStateTimers, ProcTimeTimers, TtlStates, TwoKeyTotals)
 from conformance_util import Case, compare
 from conftest import heavy
 
@@ -53,6 +53,12 @@ CASES = [
     Case("timestamp_output", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
          [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
           [{"id": "a", "eventTime": _t(44)}]]),
+    Case("two_key_columns", TwoKeyTotals, TwoKeyTotals.OUTPUT, "id1 string, id2 bigint, temperature int",
+         [[{"id1": "a", "id2": 1, "temperature": 10}, {"id1": "a", "id2": 2, "temperature": 20},
+           {"id1": "b", "id2": 1, "temperature": 30}, {"id1": "a", "id2": 1, "temperature": 5}],
+          [{"id1": "a", "id2": 1, "temperature": 1}, {"id1": "c", "id2": 7, "temperature": 2}]],
+         keys=("id1", "id2"), initial=[{"id1": "a", "id2": 1, "initVal": 100}, {"id1": "z", "id2": 9, "initVal": 5}],
+         initial_schema="id1 string, id2 bigint, initVal int"),
     Case("composite_values", CompositeValues, CompositeValues.OUTPUT, "id string, temperature int",
          TEMPS + TEMPS[:1]),
 ]

@@ -196,3 +196,44 @@ def test_nested_structs_come_back_as_rows_with_every_type(storage):
     assert got.tags[0].asDict() == {"k": "env", "v": "prod"}
     assert got.asDict() == {**value, "tags": got.tags}
     assert [x[0] for x in lst.get()] == [got] and m.getValue(("k",)) == (got,)
+
+
+# --- several key columns ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["pandas", "row"])
+def test_two_key_columns_reach_the_processor_as_spark_passes_them(storage, api):
+    from conform_processors import TwoKeyTotals
+    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.keys import KEY_COL, pack_columns
+    from dstl.spark.processor import BatchContext, run_processor
+    from dstl.state.schema import parse_ddl
+
+    rows = pd.DataFrame({"id1": ["a", "a", "b", "a"], "id2": [1, 2, 1, 1], "temperature": [10, 20, 30, 5]})
+    rows[KEY_COL] = pack_columns([rows["id1"], rows["id2"]])
+    init = pd.DataFrame({"id1": ["a"], "id2": [1], "initVal": [100]})
+    init[KEY_COL] = pack_columns([init["id1"], init["id2"]])
+    ctx = BatchContext(1_000, 0, api=api, key_columns=["id1", "id2"], initial_state=init,
+                       input_schema=parse_ddl("id1 string, id2 bigint, temperature int"),
+                       initial_schema=parse_ddl("id1 string, id2 bigint, initVal int"), time_zone="UTC",
+                       output_arrow_schema=_arrow_output_schema(parse_ddl(TwoKeyTotals.OUTPUT)))
+    out = run_processor(TwoKeyTotals(api == "pandas"), rows, _backend(storage), ctx, KEY_COL)
+    if api == "row":
+        out = out.to_pandas()
+    assert sorted(zip(out["id1"], out["id2"], out["value"])) == [("a", 1, "115"), ("a", 2, "20"), ("b", 1, "30")]
+
+
+def test_composite_keys_pack_deterministically_and_spread_over_key_groups():
+    from dstl.keygroups import assign_key_groups
+    from dstl.spark.keys import normalize_keys, pack_columns, pack_key, unpack_key
+
+    assert normalize_keys("a") == ["a"] and normalize_keys(("a", "b")) == ["a", "b"]
+    with pytest.raises(ValueError, match="list of distinct names"):
+        normalize_keys(["a", "a"])
+    # msgpack of the list of values: the documented rule (docs/rescaling.md §7)
+    assert pack_key(["a", 1]) == b"\x92\xa1a\x01" and unpack_key(b"\x92\xa1a\x01") == ("a", 1)
+    # an integer column with nulls arrives as floats: packed as the integers, a null gives no key
+    assert pack_columns([pd.Series(["a", "b"]), pd.Series([1.0, None])], [False, True]) == [b"\x92\xa1a\x01", None]
+    keys = pack_columns([pd.Series([f"u{i % 50}" for i in range(1000)]), pd.Series(list(range(1000)))])
+    groups = assign_key_groups(pd.Series(keys, dtype=object), 128)
+    assert (assign_key_groups(pd.Series(keys, dtype=object), 128) == groups).all()
+    assert len(set(groups.tolist())) > 100

@@ -97,6 +97,9 @@ class BatchContext:
     #: EventTime: rows with event time <= this are late (Spark's late-events watermark, the previous
     #: batch's eviction watermark; `watermark_ms` is this batch's, for timers and TimerValues)
     late_watermark_ms: int = 0
+    #: several key columns (dstl.spark.keys): the key column holds packed keys, dropped from the
+    #: rows, and the processor gets the unpacked tuple; None: one key column, key tuple (k,)
+    key_columns: Optional[List[str]] = None
 
     def timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -509,27 +512,38 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
         out: Any = OutputRows(ctx.output_arrow_schema)
     else:
         out = _PandasOut()
+    composite = ctx.key_columns is not None
+    if composite:
+        from dstl.spark.keys import unpack_key as key_of
     try:
         init_rows = ctx.initial_state
         if init_rows is not None and len(init_rows):
             if row_api:  # Spark's Row mode: one call per initial-state Row
-                init = InputRows(init_rows, key_col, ctx.initial_schema, ctx.time_zone)
+                init = InputRows(init_rows, key_col, ctx.initial_schema, ctx.time_zone, drop_key=composite)
                 for k, part in init.groups():
                     handle._key = k
                     for row in part:
-                        processor.handleInitialState((k,), row, tv)
+                        processor.handleInitialState(key_of(k) if composite else (k,), row, tv)
             else:
                 for k, part in _groups(init_rows, key_col):
                     handle._key = k
-                    processor.handleInitialState((k,), part, tv)
+                    if composite:
+                        processor.handleInitialState(key_of(k), part.drop(columns=[key_col]), tv)
+                    else:
+                        processor.handleInitialState((k,), part, tv)
         t_in = time.perf_counter()
         handle_rows, extend = processor.handleInputRows, out.extend
         if row_api:
-            groups = InputRows(rows, key_col, ctx.input_schema, ctx.time_zone).groups()
+            groups = InputRows(rows, key_col, ctx.input_schema, ctx.time_zone, drop_key=composite).groups()
             t_rows = time.perf_counter()
             for k, part in groups:
                 handle._key = k
-                extend(handle_rows((k,), iter(part), tv), "handleInputRows")
+                extend(handle_rows(key_of(k) if composite else (k,), iter(part), tv), "handleInputRows")
+        elif composite:
+            t_rows = t_in
+            for k, part in _groups(rows, key_col):
+                handle._key = k
+                extend(handle_rows(key_of(k), iter([part.drop(columns=[key_col])]), tv), "handleInputRows")
         else:
             t_rows = t_in
             for k, part in _groups(rows, key_col):
@@ -543,7 +557,8 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
                 if ts not in timers.state.keys(k):  # deleted by an earlier handler of this batch
                     continue
                 handle._key = k
-                extend(processor.handleExpiredTimer((k,), tv, ExpiredTimerInfo(ts)), "handleExpiredTimer")
+                extend(processor.handleExpiredTimer(key_of(k) if composite else (k,), tv, ExpiredTimerInfo(ts)),
+                       "handleExpiredTimer")
                 timers.delete(k, ts)
                 fired += 1
         ctx.metrics["timers_fired"] = ctx.metrics.get("timers_fired", 0) + fired

@@ -171,7 +171,7 @@ class InputRows:
     `schema`: the Spark StructType of the rows (None: the pandas dtypes decide); `tz`: the session
     time zone, for timestamps."""
 
-    def __init__(self, pdf, key_col: str, schema: Any = None, tz: Optional[str] = None):
+    def __init__(self, pdf, key_col: str, schema: Any = None, tz: Optional[str] = None, drop_key: bool = False):
         self.key_col = key_col
         n = len(pdf)
         if not n:
@@ -186,10 +186,17 @@ class InputRows:
             pdf = pdf.take(order)
         types = {f.name: f.dataType for f in schema.fields} if schema is not None else {}
         names = [str(c) for c in pdf.columns]
-        cols = [_column_values(pdf.iloc[:, i], types.get(c), tz) for i, c in enumerate(names)]
+        if drop_key:  # the packed key of several key columns: grouped by, not part of the Rows
+            kvals = pdf[key_col].tolist()
+            keep = [i for i, c in enumerate(names) if c != key_col]
+            names = [names[i] for i in keep]
+            cols = [_column_values(pdf.iloc[:, i], types.get(str(pdf.columns[i])), tz) for i in keep]
+        else:
+            cols = [_column_values(pdf.iloc[:, i], types.get(c), tz) for i, c in enumerate(names)]
         cls = row_class(tuple(names))
         rows = list(map(tuple.__new__, itertools.repeat(cls, n), zip(*cols)))
-        kvals = cols[names.index(key_col)]
+        if not drop_key:
+            kvals = cols[names.index(key_col)]
         self._keys = [kvals[i] for i in bounds[:-1]]
         self._rows = rows
         self._bounds = bounds

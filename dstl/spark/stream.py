@@ -147,8 +147,9 @@ class StatefulStream:
 
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"key must be the name of the key column, got {key!r}")
+        from dstl.spark.keys import KEY_COL, normalize_keys
+
+        keys = normalize_keys(key)
         self.is_processor = is_stateful_processor(processor)
         if not self.is_processor and not callable(processor):
             raise TypeError("processor must be a StatefulProcessor or a function fn(rows, state)")
@@ -198,7 +199,9 @@ class StatefulStream:
         self.base_path = _absolute(base_path).rstrip("/")  # tasks do not run in the driver's directory
         self.processor = processor
         self.output_schema = output_schema
-        self.key = key
+        #: the key columns; with several, `key` is the packed column dstl.spark.keys adds per batch
+        self.keys = keys
+        self.key = keys[0] if len(keys) == 1 else KEY_COL
         self.event_time_column = columns[0] if columns else None
         self.event_time_columns = columns
         self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
@@ -254,7 +257,8 @@ class StatefulStream:
         maxp = self.max_parallelism
         if maxp is None and not exists:
             maxp = compute_default_max_parallelism(self.parallelism)
-        params = {"kind": "StatefulStream", "key": self.key, "time_mode": self.time_mode,
+        params = {"kind": "StatefulStream", "key": self.keys[0] if len(self.keys) == 1 else self.keys,
+                  "time_mode": self.time_mode,
                   "event_time_column": self.event_time_column}
         spec = JobSpec.new(OPERATOR_ID, maxp or 0, self.output_path, params)
         coord = CheckpointCoordinator.open(self.base_path, spec, self.storage_config, resume=exists,
@@ -375,9 +379,12 @@ class StatefulStream:
         coord = self.coordinator
         route = choose_route(df)  # a small pandas batch is broadcast; everything else is shuffled
         spark, sdf = self._spark_of(df)
-        if self.key not in sdf.columns:
-            raise ValueError(f"key column {self.key!r} is not in batch {batch_id} "
-                             f"(columns: {', '.join(sdf.columns)})")
+        for col in self.keys:
+            if col not in sdf.columns:
+                raise ValueError(f"key column {col!r} is not in batch {batch_id} "
+                                 f"(columns: {', '.join(sdf.columns)})")
+        if len(self.keys) > 1:
+            sdf = sdf.withColumn(self.key, _packed_key_column(sdf, self.keys))
         for col in self.event_time_columns:
             if col not in sdf.columns:
                 raise ValueError(f"event_time_column {col!r} is not in batch {batch_id} "
@@ -397,7 +404,8 @@ class StatefulStream:
         # the stage evaluates `keyed` once (the shuffle's map side, or the broadcast): nothing to persist
         out_schema = self._output_struct_type()
         ctx = BatchContext(batch_ts, marks.eviction_ms, self.time_mode, api=self.api,
-                           late_watermark_ms=marks.late_ms)
+                           late_watermark_ms=marks.late_ms,
+                           key_columns=self.keys if len(self.keys) > 1 else None)
         if self.api == "row":
             ctx = self._row_context(ctx, spark, sdf, out_schema)
         initial = self._initial_by_subtask(maxp) if latest is None else None
@@ -536,8 +544,14 @@ class StatefulStream:
         pdf = self.initial_state
         if not type(pdf).__module__.startswith("pandas"):
             pdf = pdf.toPandas()
-        if self.key not in pdf.columns:
-            raise ValueError(f"initial_state lacks the key column {self.key!r} (columns: {', '.join(pdf.columns)})")
+        for col in self.keys:
+            if col not in pdf.columns:
+                raise ValueError(f"initial_state lacks the key column {col!r} (columns: {', '.join(pdf.columns)})")
+        if len(self.keys) > 1:
+            from dstl.spark.keys import pack_columns
+
+            pdf = pdf.copy()
+            pdf[self.key] = pack_columns([pdf[k] for k in self.keys])
         nulls = int(pdf[self.key].isna().sum())
         if nulls:
             if self.null_keys == "error":
@@ -623,6 +637,27 @@ def _subtask_column(df, key: str, max_parallelism: int, parallelism: int):
         return pd.Series(out, index=keys.index)
 
     return subtask(F.col(key))
+
+
+def _packed_key_column(df, keys: List[str]):
+    """The stored key of several key columns (dstl.spark.keys), as a vectorised pandas UDF."""
+    from pyspark.sql import functions as F
+
+    from dstl.spark.keyed import ensure_importable_on_workers
+    from dstl.spark.keys import check_key_types
+
+    integer = check_key_types(df.schema, keys)
+    ensure_importable_on_workers(df.sparkSession)
+
+    @F.pandas_udf("binary")
+    def packed(*cols):  # pragma: no cover - runs in the Python worker
+        import pandas as pd
+
+        from dstl.spark.keys import pack_columns
+
+        return pd.Series(pack_columns(cols, integer), index=cols[0].index, dtype=object)
+
+    return packed(*[F.col(k) for k in keys])
 
 
 def _event_ms(df, column: str):

@@ -1,0 +1,70 @@
+"""Several key columns (`StatefulStream(key=["id1", "id2"])`): one stored key per row.
+
+A composite key is stored as the msgpack encoding of the list of its column values, in the order
+the columns were named (``packb(["a", 1], use_bin_type=True)``), and hashes to its key group as that
+binary key does (docs/rescaling.md §7). The encoding is deterministic, so the same values always
+land in the same key group, at any parallelism. The processor gets the tuple back, as Spark passes
+a grouping key. A row with a null in any key column has a null key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence
+
+__all__ = ["KEY_COL", "pack_key", "pack_columns", "unpack_key", "normalize_keys"]
+
+#: the column a StatefulStream with several key columns adds (and drops before the processor)
+KEY_COL = "_dstl_key"
+
+_INTEGER = ("ByteType", "ShortType", "IntegerType", "LongType")
+_ALLOWED = _INTEGER + ("StringType", "BooleanType", "BinaryType")
+
+
+def normalize_keys(key: Any) -> List[str]:
+    """The key column names, from one name or a list of distinct names."""
+    keys = [key] if isinstance(key, str) else list(key) if isinstance(key, (list, tuple)) else None
+    if not keys or any(not isinstance(k, str) or not k for k in keys) or len(set(keys)) != len(keys):
+        raise ValueError(f"key must be the name of the key column or a list of distinct names, got {key!r}")
+    return keys
+
+
+def check_key_types(schema, keys: Sequence[str]) -> List[bool]:
+    """Per key column, whether it is an integer column; other types than integers, strings,
+    booleans and binary raise (their values have no stable encoding)."""
+    out = []
+    for k in keys:
+        name = type(schema[k].dataType).__name__
+        if name not in _ALLOWED:
+            raise TypeError(f"key column {k!r} is {schema[k].dataType.simpleString()}; several key columns "
+                            f"must be integers, strings, booleans or binary")
+        out.append(name in _INTEGER)
+    return out
+
+
+def pack_key(values: Sequence[Any], integer: Optional[Sequence[bool]] = None) -> Optional[bytes]:
+    """One row's key values -> the stored key (None if any is null)."""
+    import msgpack
+
+    vals = []
+    for i, v in enumerate(values):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return None
+        if hasattr(v, "item"):  # numpy scalars
+            v = v.item()
+        if integer is not None and integer[i] and isinstance(v, float):
+            v = int(v)  # an integer column with nulls reaches pandas as floats
+        vals.append(bytes(v) if isinstance(v, (bytearray, memoryview)) else v)
+    return msgpack.packb(vals, use_bin_type=True)
+
+
+def pack_columns(columns: Sequence[Any], integer: Optional[Sequence[bool]] = None) -> List[Optional[bytes]]:
+    """The stored keys of whole columns (pandas Series or lists of equal length)."""
+    lists = [c.tolist() if hasattr(c, "tolist") else list(c) for c in columns]
+    return [pack_key(vals, integer) for vals in zip(*lists)]
+
+
+def unpack_key(stored: bytes) -> tuple:
+    """A stored composite key -> the key tuple the processor gets."""
+    import msgpack
+
+    return tuple(msgpack.unpackb(stored, raw=False))
