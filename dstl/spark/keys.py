@@ -68,3 +68,43 @@ def unpack_key(stored: bytes) -> tuple:
     import msgpack
 
     return tuple(msgpack.unpackb(stored, raw=False))
+
+
+def display_key(stored: Any) -> Any:
+    """A stored composite key as text for tables: its values as a JSON list, `["ann", 7]`."""
+    import json
+
+    if not isinstance(stored, (bytes, bytearray)):
+        return stored
+    return json.dumps(list(unpack_key(bytes(stored))), default=lambda b: bytes(b).hex())
+
+
+def parse_display_key(text: str) -> bytes:
+    """The stored key of a composite key given as a JSON list (`dstl state show --key '["ann", 7]'`)."""
+    import json
+
+    try:
+        values = json.loads(text)
+    except ValueError:
+        values = None
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"this job has several key columns: give the key as a JSON list such as "
+                         f"'[\"ann\", 7]', got {text!r}")
+    return pack_key(values)
+
+
+def job_key_columns(base_path: str, storage_options: Optional[dict] = None) -> Optional[List[str]]:
+    """The key columns of the StatefulStream job at `base_path` when it has several, else None."""
+    import json
+
+    from dstl.changelog.fs import filesystem
+    from dstl.spark.coordinator import JOB_FILE
+
+    try:
+        fs, root = filesystem(base_path.rstrip("/"))
+        with fs.open(f"{root}/{JOB_FILE}", "rb") as f:
+            params = json.loads(f.read().decode()).get("params") or {}
+    except (OSError, ValueError):
+        return None  # no job file (a plain backend's checkpoints): single keys
+    key = params.get("key")
+    return list(key) if isinstance(key, list) and len(key) > 1 else None

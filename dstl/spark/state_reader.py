@@ -63,6 +63,11 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     ensure_importable_on_workers(spark)
     cid = meta.checkpoint_id
     declared = state_schema(meta, state_name)
+    from dstl.spark.keys import job_key_columns
+
+    composite = job_key_columns(base_path, storage_options) is not None
+    if composite:  # several key columns: the key shown as its values, a JSON list (dstl.spark.keys)
+        key_type = str
     ddl = _schema(key_type, STATE_COLUMNS)
     if declared is not None:
         from pyspark.sql.types import StructType
@@ -74,6 +79,10 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
 
     def frame(rows):
         df = pd.DataFrame(rows, columns=STATE_COLUMNS)
+        if composite:
+            from dstl.spark.keys import display_key
+
+            df["key"] = df["key"].map(display_key)
         return expand_values(df, *state_schema(m_holder[0], state_name)) if declared is not None else df
 
     m_holder: List[Any] = []

@@ -285,10 +285,18 @@ def _plain(v: Any) -> Any:
 def _show(args) -> int:
     from dstl.state.reader import first_look, open_checkpoint, read_state_pandas
 
+    from dstl.spark.keys import display_key, job_key_columns, parse_display_key
+
     meta = open_checkpoint(args.base_path, args.checkpoint)
     _, key_type = first_look(meta)
-    df = read_state_pandas(args.base_path, args.state, checkpoint_id=meta.checkpoint_id,
-                           key=_key_arg(args.key, key_type))
+    composite = job_key_columns(args.base_path) is not None
+    try:
+        key = parse_display_key(args.key) if composite and args.key is not None else _key_arg(args.key, key_type)
+    except ValueError as exc:
+        raise _Usage(f"--key: {exc}") from None
+    df = read_state_pandas(args.base_path, args.state, checkpoint_id=meta.checkpoint_id, key=key)
+    if composite:  # several key columns: each key shown as its values, a JSON list
+        df["key"] = df["key"].map(display_key)
     columns = ["key", "key_group", "state", "kind", "user_key", "position"]
     # a state with a declared schema (every StatefulProcessor state) has its fields as columns
     columns += ["value"] if "value" in df.columns else [c for c in df.columns if c not in columns]
