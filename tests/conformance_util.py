@@ -99,12 +99,14 @@ def run_native(spark, case: Case, flavour: str, directory: str, work: str):
     init = _initial(spark, case)
     out = op(proc, case.output, case.output_mode, case.time_mode,
              initialState=None if init is None else init.groupBy(*case.keys))
-    collected: List[Any] = []
+    # each batch as parquet files: the sink also works where foreachBatch runs in another
+    # process (Spark Connect runs it in the server's worker)
+    out_dir = os.path.join(work, f"native-out-{flavour}")
 
     def sink(df, batch_id):
         from pyspark.sql import functions as F
 
-        collected.extend(df.withColumn("batch_id", F.lit(batch_id)).collect())
+        df.withColumn("batch_id", F.lit(batch_id)).write.mode("overwrite").parquet(f"{out_dir}/b{batch_id:05d}")
 
     with spark_conf(spark, NATIVE_CONF):
         q = (out.writeStream.foreachBatch(sink).option("checkpointLocation", os.path.join(work, f"nck-{flavour}"))
@@ -113,6 +115,7 @@ def run_native(spark, case: Case, flavour: str, directory: str, work: str):
             q.awaitTermination()
         finally:
             q.stop()
+    collected = spark.read.parquet(f"{out_dir}/b*").collect() if os.path.isdir(out_dir) else []
     return collected, recorded_timestamps(stamps)
 
 

@@ -140,12 +140,27 @@ def main(work: str) -> int:
                 "worker_env": S._worker_env(spark), "executor_count": S.executor_count(spark),
                 "quiet": S.quiet(spark)}
 
+    def conformance():
+        # a sample of tests/test_conformance.py under Connect: native transformWithState and
+        # foreachBatch(StatefulStream) on the same file stream, compared batch by batch
+        from conformance_util import compare
+        from conform_cases import CASES
+
+        out = {}
+        for name in ("event_time_max", "two_key_columns"):
+            case = next(c for c in CASES if c.name == name)
+            native, ours, _ = compare(spark, case, "row", os.path.join(work, f"conform-{name}"))
+            out[name] = {"native": {b: sorted(map(repr, c.elements())) for b, c in native.items()},
+                         "dstl": {b: sorted(map(repr, c.elements())) for b, c in ours.items()}}
+        return out
+
     scenario("seam", seam)
     scenario("foreach_batch_row_api", foreach_batch_row_api)
     scenario("run_pandas_api_and_rescale", run_pandas_api_and_rescale)
     scenario("readers", readers)
     scenario("timers", timers)
     scenario("bootstrap", bootstrap)
+    scenario("conformance", conformance)
     with open(os.path.join(work, "result.json"), "w") as f:
         json.dump(result, f, default=str)
     restore()

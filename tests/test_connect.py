@@ -142,3 +142,13 @@ def test_bootstrap_state_under_connect(connect_run):
         mine = b0[b0["user"] == user]
         assert len(mine) and (out.loc[user, "events"], out.loc[user, "value_sum"]) == (
             events + len(mine), value_sum + int(mine["value"].sum()))
+
+
+def test_same_rows_as_spark_under_connect(connect_run):
+    """A sample of tests/test_conformance.py (event time with late rows; two key columns with an
+    initial state) run natively and on dstl, both under Spark Connect."""
+    _, got = _scenario(connect_run, "conformance")
+    for name in ("event_time_max", "two_key_columns"):
+        native, ours = got[name]["native"], got[name]["dstl"]
+        assert native, f"{name}: no native output under Connect"
+        assert ours == native, f"{name} under Connect: native {native} != dstl {ours}"
