@@ -87,8 +87,23 @@ def _initial(spark, case: Case):
     return spark.createDataFrame([tuple(r.values()) for r in case.initial], case.initial_schema)
 
 
-def run_native(spark, case: Case, flavour: str, directory: str, work: str):
-    """Native output rows (with batch_id) and the batch timestamps it used."""
+def run_native(spark, case: Case, flavour: str, directory: str, work: str, attempts: int = 3):
+    """Native output rows (with batch_id) and the batch timestamps it used.
+
+    Spark waits a fixed 10 s for the Python process that runs the processor's `init` on the driver
+    (its PreInit runner) to connect back; on a loaded machine it can start slower, and the query
+    fails before its first batch. Then nothing has run: the query starts again, afresh."""
+    for attempt in range(attempts):
+        try:
+            return _run_native(spark, case, flavour, directory, os.path.join(work, f"attempt{attempt}"))
+        except Exception as exc:  # noqa: BLE001
+            if "failed to connect back" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_native(spark, case: Case, flavour: str, directory: str, work: str):
+    os.makedirs(work, exist_ok=True)
     stamps = os.path.join(work, f"native-{flavour}.ts")
     proc = Recording(case.factory(flavour == "pandas"), stamps)
     events = _source(spark, case, directory)
