@@ -176,12 +176,13 @@ def compare(spark, case: Case, flavour: str, work: str):
 
 
 def _top_level(ddl: str) -> List[str]:
-    """The top-level column definitions of a DDL string (commas inside <...> are not separators)."""
+    """The top-level column definitions of a DDL string (commas inside <...> or (...) are not
+    separators)."""
     parts, depth, cur = [], 0, ""
     for ch in ddl:
-        if ch == "<":
+        if ch in "<(":
             depth += 1
-        elif ch == ">":
+        elif ch in ">)":
             depth -= 1
         if ch == "," and depth == 0:
             parts.append(cur)
