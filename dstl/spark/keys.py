@@ -104,7 +104,7 @@ def job_key_columns(base_path: str, storage_options: Optional[dict] = None) -> O
         fs, root = filesystem(base_path.rstrip("/"))
         with fs.open(f"{root}/{JOB_FILE}", "rb") as f:
             params = json.loads(f.read().decode()).get("params") or {}
-    except (OSError, ValueError):
-        return None  # no job file (a plain backend's checkpoints): single keys
+    except Exception:  # noqa: BLE001 - no readable job file (a plain backend's checkpoints): single keys
+        return None
     key = params.get("key")
     return list(key) if isinstance(key, list) and len(key) > 1 else None

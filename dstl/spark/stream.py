@@ -132,9 +132,9 @@ class StatefulStream:
     #: the operator id in the job file (bootstrap_state(..., operator_id=StatefulStream.operator_id))
     operator_id = OPERATOR_ID
 
-    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: str, parallelism: int,
+    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: Any, parallelism: int,
                  max_parallelism: Optional[int] = None, time_mode: str = "None",
-                 event_time_column: Optional[str] = None, watermark_delay: Any = None,
+                 event_time_column: Any = None, watermark_delay: Any = None,
                  output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
                  storage_options: Optional[Dict[str, Any]] = None, options: Optional[Dict[str, Any]] = None,
                  null_keys: str = "error",
