@@ -154,8 +154,17 @@ def run_dstl(spark, case: Case, flavour: str, directory: str, work: str, stamps:
                             key=keys[0] if len(keys) == 1 else keys, parallelism=2,
                             time_mode=case.time_mode, api=flavour, initial_state=_initial(spark, case),
                             clock=clock, **opts)
-    q = (_source(spark, case, directory).writeStream.foreachBatch(stream)
-         .option("checkpointLocation", os.path.join(work, f"dck-{flavour}")).trigger(availableNow=True).start())
+    for attempt in range(3):
+        try:
+            q = (_source(spark, case, directory).writeStream.foreachBatch(stream)
+                 .option("checkpointLocation", os.path.join(work, f"dck-{flavour}"))
+                 .trigger(availableNow=True).start())
+            break
+        except Exception as exc:  # noqa: BLE001
+            # under Connect the server's foreachBatch process must connect back within Spark's
+            # fixed 10 s; nothing has run when it does not: start again
+            if "failed to connect back" not in str(exc) or attempt == 2:
+                raise
     try:
         q.awaitTermination()
     finally:
