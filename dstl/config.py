@@ -416,7 +416,8 @@ def _old_fs_name(name: str) -> Optional[str]:
 def _go(place: str, name: str, cli: bool) -> str:
     """How to pass `name` in `place` ("options" or "storage_options"), in the API's or the CLI's syntax."""
     if cli:
-        return f"--{'option' if place == 'options' else 'fs-option'} {name}=..."
+        # only `dstl pipeline` takes dstl options; the readers (state, inspect, dump, gc) use the defaults
+        return f"--option {name}=... (a flag of dstl pipeline)" if place == "options" else f"--fs-option {name}=..."
     return f"{place}={{{name!r}: ...}}"
 
 
