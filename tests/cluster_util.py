@@ -190,7 +190,7 @@ class StandaloneCluster:
     def alive_workers(self) -> List[dict]:
         try:
             return [w for w in self.master_state().get("workers", []) if w.get("state") == "ALIVE"]
-        except OSError:
+        except (OSError, ValueError):  # not listening yet, or an answer that is not the JSON status yet
             return []
 
     def wait_for_workers(self, n: int, timeout_s: Optional[float] = None) -> None:

@@ -123,7 +123,9 @@ def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_i
     assert any(x.partition == 0 and not x.success and x.executor == lost for x in stages1[3])
     # ... then moves once (its retry restores the state) and stays on its new executor
     [moved] = [rep for rep in first[3]["reports"] if rep["subtask"] == 0]
-    assert moved["attempt"] >= 1 and moved["restored"] and moved["executor"] != lost
+    # (its attempt number can be 0: the lost executor's shuffle output goes with it, and Spark
+    # resubmits the stage, whose attempts count from 0 again; the failed attempt is asserted above)
+    assert moved["restored"] and moved["executor"] != lost
     assert first[3]["placement"]["moved"] >= 1 and 0 in first[3]["placement"]["moved_subtasks"]
     assert len({e[0] for e in execs[3:]}) == 1, execs
     # warm continuations after the first batch, the lost executor's batch aside
