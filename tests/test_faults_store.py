@@ -69,7 +69,7 @@ def _driver(proxy, base, tmp_path, on_start=None, timeout=900):
     argv = [sys.executable, os.path.join(HERE, "cluster_driver.py"), "--base", base, "--input", inputs,
             "--checkpoint", ckpt, "--parallelism", "2", "--progress", progress]
     for opt in OPTIONS:
-        argv += ["--storage-option", opt]
+        argv += ["--option", opt]
     for k, v in CONF.items():
         argv += ["--conf", f"{k}={v}"]
     seen = {e["batch"] for e in read_progress(progress) if e["phase"] == "start"}
@@ -212,7 +212,7 @@ def test_a_stream_batch_under_a_200_character_tmpdir_and_runtime_dir(tmp_path):
                PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     argv = [sys.executable, os.path.join(HERE, "cluster_driver.py"), "--base", base,
             "--input", str(tmp_path / "input"), "--checkpoint", str(tmp_path / "ckpt"), "--parallelism", "2",
-            "--progress", str(tmp_path / "progress.jsonl"), "--storage-option", "upload.mode=process"]
+            "--progress", str(tmp_path / "progress.jsonl"), "--option", "upload.mode=process"]
     for k, v in CONF.items():
         argv += ["--conf", f"{k}={v}"]
     from service_util import stop_services_under
