@@ -60,10 +60,16 @@ class ProfileB(StatefulProcessor):
     """Schema B: visits long, score double, zip removed, `active` added; hist long; tags' value gains
     `extra`; last long. It reports what it reads before updating."""
 
+    # the subclasses below change one of these (a state is defined once per init, as on Spark)
+    PROFILE = "name string, visits long, score double, active boolean"
+    HIST = "v long"
+    TAGS_TTL = None
+
     def init(self, handle):
-        self.profile = handle.getValueState("profile", "name string, visits long, score double, active boolean")
-        self.hist = handle.getListState("hist", "v long")
-        self.tags = handle.getMapState("tags", "t string", "c long, note string, extra boolean")
+        self.profile = handle.getValueState("profile", self.PROFILE)
+        self.hist = handle.getListState("hist", self.HIST)
+        ttl = {} if self.TAGS_TTL is None else {"ttlDurationMs": self.TAGS_TTL}
+        self.tags = handle.getMapState("tags", "t string", "c long, note string, extra boolean", **ttl)
         self.last = handle.getValueState("last", "v long", ttlDurationMs=HOUR)
 
     def handleInputRows(self, key, rows, timerValues):
@@ -84,21 +90,15 @@ class ProfileB(StatefulProcessor):
 
 
 class Renamed(ProfileB):
-    def init(self, handle):
-        super().init(handle)
-        self.profile = handle.getValueState("profile", "full_name string, visits long, score double, active boolean")
+    PROFILE = "full_name string, visits long, score double, active boolean"
 
 
 class Narrowed(ProfileB):
-    def init(self, handle):
-        super().init(handle)
-        self.hist = handle.getListState("hist", "v short")
+    HIST = "v short"
 
 
 class TtlAdded(ProfileB):
-    def init(self, handle):
-        super().init(handle)
-        self.tags = handle.getMapState("tags", "t string", "c long, note string, extra boolean", ttlDurationMs=HOUR)
+    TAGS_TTL = HOUR
 
 
 USERS = ["a", "b", "c", "d", "e", "f"]

@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 
 from conform_processors import TwoKeyTotals
+from conftest import heavy
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, heavy]
 
 INPUT = "id1 string, id2 bigint, temperature int"
 
