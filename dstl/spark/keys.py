@@ -16,8 +16,7 @@ __all__ = ["KEY_COL", "pack_key", "pack_columns", "unpack_key", "normalize_keys"
 #: the column a StatefulStream with several key columns adds (and drops before the processor)
 KEY_COL = "_dstl_key"
 
-_INTEGER = ("ByteType", "ShortType", "IntegerType", "LongType")
-_ALLOWED = _INTEGER + ("StringType", "BooleanType", "BinaryType")
+_ALLOWED = ("ByteType", "ShortType", "IntegerType", "LongType", "StringType", "BooleanType", "BinaryType")
 
 
 def normalize_keys(key: Any) -> List[str]:
@@ -28,39 +27,38 @@ def normalize_keys(key: Any) -> List[str]:
     return keys
 
 
-def check_key_types(schema, keys: Sequence[str]) -> List[bool]:
-    """Per key column, whether it is an integer column; other types than integers, strings,
-    booleans and binary raise (their values have no stable encoding)."""
-    out = []
+def check_key_types(schema, keys: Sequence[str]) -> None:
+    """Raises unless every key column is an integer, string, boolean or binary column (other
+    types' values have no stable encoding)."""
     for k in keys:
-        name = type(schema[k].dataType).__name__
-        if name not in _ALLOWED:
+        if type(schema[k].dataType).__name__ not in _ALLOWED:
             raise TypeError(f"key column {k!r} is {schema[k].dataType.simpleString()}; several key columns "
                             f"must be integers, strings, booleans or binary")
-        out.append(name in _INTEGER)
-    return out
 
 
-def pack_key(values: Sequence[Any], integer: Optional[Sequence[bool]] = None) -> Optional[bytes]:
+def pack_key(values: Sequence[Any]) -> Optional[bytes]:
     """One row's key values -> the stored key (None if any is null)."""
     import msgpack
 
     vals = []
-    for i, v in enumerate(values):
+    for v in values:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return None
         if hasattr(v, "item"):  # numpy scalars
             v = v.item()
-        if integer is not None and integer[i] and isinstance(v, float):
-            v = int(v)  # an integer column with nulls reaches pandas as floats
+        if isinstance(v, float):
+            # no key column is floating point (check_key_types): a float is an integer column
+            # that pandas widened for its nulls, and must pack as the integer the rows without
+            # nulls pack as
+            v = int(v)
         vals.append(bytes(v) if isinstance(v, (bytearray, memoryview)) else v)
     return msgpack.packb(vals, use_bin_type=True)
 
 
-def pack_columns(columns: Sequence[Any], integer: Optional[Sequence[bool]] = None) -> List[Optional[bytes]]:
+def pack_columns(columns: Sequence[Any]) -> List[Optional[bytes]]:
     """The stored keys of whole columns (pandas Series or lists of equal length)."""
     lists = [c.tolist() if hasattr(c, "tolist") else list(c) for c in columns]
-    return [pack_key(vals, integer) for vals in zip(*lists)]
+    return [pack_key(vals) for vals in zip(*lists)]
 
 
 def unpack_key(stored: bytes) -> tuple:

@@ -646,7 +646,7 @@ def _packed_key_column(df, keys: List[str]):
     from dstl.spark.keyed import ensure_importable_on_workers
     from dstl.spark.keys import check_key_types
 
-    integer = check_key_types(df.schema, keys)
+    check_key_types(df.schema, keys)
     ensure_importable_on_workers(df.sparkSession)
 
     @F.pandas_udf("binary")
@@ -655,7 +655,7 @@ def _packed_key_column(df, keys: List[str]):
 
         from dstl.spark.keys import pack_columns
 
-        return pd.Series(pack_columns(cols, integer), index=cols[0].index, dtype=object)
+        return pd.Series(pack_columns(cols), index=cols[0].index, dtype=object)
 
     return packed(*[F.col(k) for k in keys])
 
