@@ -51,7 +51,7 @@ def main(argv) -> int:
                         "placement": res.stats.placement,
                         "reports": [{k: getattr(r, k) for k in (
                             "subtask", "attempt", "executor", "pid", "continued", "restored", "restore_ms",
-                            "restore_source", "rows_in", "process_ms", "snapshot_ms")} for r in res.reports]})
+                            "restore_source", "rows_in", "process_ms", "snapshot_ms", "hop_ms")} for r in res.reports]})
         stream.close()
     finally:
         with open(a.result, "w") as f:

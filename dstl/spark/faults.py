@@ -20,7 +20,10 @@ Points:
 ``stream.after_checkpoint``    StatefulStream: checkpoint durable, output not committed, sink not called
 ``stream.after_sink``          StatefulStream: sink called, foreachBatch not yet returned to Spark
 ``pipeline.after_metadata``    the demo pipeline's ``--kill-at``: checkpoint durable, output not committed
-``task.mid_batch``             a stateful task, after applying half of its rows (``--fail-at``)
+``task.mid_batch``             a stateful task, after applying half of its rows (``--fail-at``); in the
+                               subtask's slot process (dstl.spark.slots) when slots are on
+``task.worker_wait``           the Python worker of a task, after it handed the rows to the slot
+                               process, while the slot runs the task
 =============================  =============================================================
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ REPORT_SCHEMA = (
     "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
     "rows_out long, restored boolean, restore_ms double, process_ms double, snapshot_ms double, "
     "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean, "
-    "executor string, restore_source string")
+    "executor string, restore_source string, hop_ms double")
 
 
 # ------------------------------------------------------------------ columns
@@ -150,6 +150,8 @@ class TaskReport:
     #: where the state came from: "memory" (continued), "local" (this host's local-recovery copy),
     #: "dfs" (the base path), "new" (no checkpoint yet)
     restore_source: str = ""
+    #: the rows' way from the worker to the subtask's slot process (dstl.spark.slots); 0 in the worker
+    hop_ms: float = 0.0
 
     @classmethod
     def from_row(cls, row) -> "TaskReport":
@@ -160,6 +162,7 @@ class TaskReport:
         d["continued"] = bool(d.get("continued"))
         d["executor"] = d.get("executor") or ""
         d["restore_source"] = d.get("restore_source") or ""
+        d["hop_ms"] = float(d.get("hop_ms") or 0.0)
         return cls(**d)
 
     def metric(self, name: str, default: int = 0) -> int:
@@ -408,6 +411,22 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
                 restore_source=source if restored or from_memory else "new")
 
 
+def run_placed(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
+    """`run_subtask` in the subtask's slot process on this host (dstl.spark.slots), where its state
+    stays warm whichever Python worker Spark picked; in this worker when slots are off."""
+    from dstl.spark import slots
+
+    if not slots.enabled():
+        return dict(run_subtask(plan, fn, rows, subtask, attempt, arrow_schema), hop_ms=0.0)
+    from dstl.spark import faults
+    from dstl.spark.session import executor_process
+
+    request = dict(plan=plan, fn=fn, rows=rows, subtask=subtask, attempt=attempt, arrow_schema=arrow_schema)
+    payload = slots.dumps(request, by_value=True)
+    return slots.call(slots.slot_name(plan.job_id, plan.operator_id, subtask), payload, executor_process(),
+                      subtask, sent=lambda: faults.point("task.worker_wait", plan.batch, subtask=subtask))
+
+
 def _quiet_expected_warnings() -> None:
     # After a confirm the checkpoint owns the files; the truncation that follows a confirmed
     # materialization then "releases" untracked files, which the registry logs as a warning per file.
@@ -481,7 +500,7 @@ def _make_task(plan: CheckpointPlan, fn: Callable, arrow_schema, columns: Sequen
         rows = rows.drop(columns=[c for c in INTERNAL_COLS if c in rows.columns]).reset_index(drop=True)
         if order_by and len(rows) > 1:
             rows = rows.sort_values(list(order_by), kind="stable", ignore_index=True)
-        report = run_subtask(plan, fn, rows, subtask, ctx.attemptNumber(), arrow_schema)
+        report = run_placed(plan, fn, rows, subtask, ctx.attemptNumber(), arrow_schema)
         yield pd.DataFrame([report])
 
     return task

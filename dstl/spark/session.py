@@ -333,6 +333,14 @@ class SubtaskStage:
 # ------------------------------------------------------------------ in the Python worker
 
 _EXECUTOR_ID: Optional[str] = None
+#: (pid, id) of the executor a slot process serves (dstl.spark.slot): it is nobody's Python worker
+_SERVED: Optional[Tuple[Optional[int], str]] = None
+
+
+def serve_executor(pid: Optional[int], eid: str) -> None:
+    """In a slot process: the executor of the worker whose task runs now (its JVM is not an ancestor)."""
+    global _SERVED
+    _SERVED = (pid, eid)
 
 
 def executor_id() -> str:
@@ -340,6 +348,8 @@ def executor_id() -> str:
     of the worker (via pyspark's daemon) and carries ``--executor-id N`` on its command line; a JVM
     without it is the driver (local mode). "unknown" where /proc is not available."""
     global _EXECUTOR_ID
+    if _SERVED is not None:
+        return _SERVED[1]
     if _EXECUTOR_ID is None:
         _EXECUTOR_ID = executor_process()[1]
     return _EXECUTOR_ID
@@ -348,6 +358,8 @@ def executor_id() -> str:
 def executor_process() -> Tuple[Optional[int], str]:
     """(pid of the executor JVM running this Python worker, its executor id); (None, "driver") in
     local mode, (None, "unknown") without /proc."""
+    if _SERVED is not None:
+        return _SERVED
     pid = os.getppid()
     for _ in range(6):
         try:

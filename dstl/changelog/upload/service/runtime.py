@@ -397,6 +397,8 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
     removed = 0
     now = time.time()
     for name in os.listdir(root):
+        if name.startswith("_"):  # not a service's: the Spark slots' sockets (dstl.spark.slots)
+            continue
         d = os.path.join(root, name)
         try:
             if not os.path.isdir(d) or now - os.stat(d).st_mtime < grace_s:

@@ -1,0 +1,206 @@
+"""The slot process: holds one subtask's live state on a host and runs its tasks (dstl.spark.slots).
+
+Started by a Python worker as ``<python> -c <boot> <name> <socket>``; serves one task at a time on
+its Unix socket: a prelude (the worker's sys.path, executor and pyspark daemon), then the pickled
+request (plan, function, rows, subtask, attempt, output schema), answered by the task report or the
+exception. Everything the task body keeps between batches (the state cache, the storages, local
+recovery's copies) lives here, so it survives whichever worker sent the task.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+from dstl.spark import slots
+
+log = logging.getLogger("dstl.spark.slot")
+
+#: seconds between the checks of the accept loop (idle, watched process, socket file)
+TICK_S = 1.0
+
+
+class _ClientWatch:
+    """While a task runs: exit the process the moment its worker goes away (a killed task or a lost
+    executor). The task's state is half-updated and nobody will ever ask for its result."""
+
+    def __init__(self, conn: socket.socket):
+        self._conn = conn
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dstl-slot-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                readable, _, _ = select.select([self._conn], [], [], 0.2)
+                if readable and not self._conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    if self._done.is_set():
+                        return
+                    log.warning("the worker of the running task went away: exiting without its state")
+                    os._exit(3)
+            except BlockingIOError:
+                continue
+            except OSError:
+                if not self._done.is_set():
+                    os._exit(3)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class Slot:
+    def __init__(self, name: str, sock_path: str):
+        self.name = name
+        self.sock_path = sock_path
+        self.watch_pid: Optional[int] = None
+        self.last_used = time.monotonic()
+        self.tasks = 0
+        self._sys_path: List[str] = []
+
+    # ---------------------------------------------------------------- serving
+
+    def serve(self) -> None:
+        from dstl.spark.cache import IDLE_TIMEOUT_S
+
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.unlink(self.sock_path)  # a dead slot's socket: the starter holds the name's lock
+        except FileNotFoundError:
+            pass
+        srv.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o600)
+        srv.listen(16)
+        inode = os.stat(self.sock_path).st_ino
+        pid_file = self.sock_path[: -len(".sock")] + ".pid"
+        with open(pid_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        srv.settimeout(TICK_S)
+        log.info("slot %s listening on %s (pid %d)", self.name, self.sock_path, os.getpid())
+        reason = "?"
+        try:
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except socket.timeout:
+                    reason = self._why_exit(inode, IDLE_TIMEOUT_S)
+                    if reason:
+                        break
+                    continue
+                with conn:
+                    if self._handle(conn) == "exit":
+                        reason = "asked to exit"
+                        break
+        finally:
+            srv.close()
+            try:
+                if os.stat(self.sock_path).st_ino == inode:
+                    os.unlink(self.sock_path)
+                    os.unlink(pid_file)
+            except OSError:
+                pass
+            log.info("slot %s exits after %d tasks: %s", self.name, self.tasks, reason)
+            from dstl.spark import cache
+
+            cache.shutdown()
+
+    def _why_exit(self, inode: int, idle_s: float) -> str:
+        from dstl.changelog.upload.service.runtime import pid_alive
+
+        if time.monotonic() - self.last_used > idle_s:
+            return f"idle for {idle_s:.0f} s"
+        if self.watch_pid is not None and not pid_alive(self.watch_pid):
+            return f"the process {self.watch_pid} of the last worker it served is gone"
+        try:
+            if os.stat(self.sock_path).st_ino != inode:
+                return "its socket was replaced"
+        except FileNotFoundError:
+            return "its socket was removed"
+        return ""
+
+    def _handle(self, conn: socket.socket) -> str:
+        conn.settimeout(300.0)
+        try:
+            prelude = slots.recv_obj(conn)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            return "bad"
+        if prelude.get("op") == "exit":
+            return "exit"
+        self._adopt(prelude)
+        try:
+            request = slots.recv_obj(conn)
+        except (EOFError, OSError):
+            return "bad"
+        except BaseException as exc:  # noqa: BLE001 - a function the slot cannot unpickle: tell the task
+            reply = self._error(exc)
+        else:
+            hop_ms = max(0.0, (time.time() - prelude["sent"]) * 1e3)
+            conn.settimeout(None)
+            watch = _ClientWatch(conn)
+            try:
+                reply = self._run(request, hop_ms)
+            finally:
+                watch.stop()
+        self.tasks += 1
+        self.last_used = time.monotonic()
+        try:
+            os.utime(self.sock_path)  # the idle ranking of evict_idle
+        except OSError:
+            pass
+        try:
+            slots.send_obj(conn, reply)
+        except OSError:
+            log.warning("could not send the task's reply: its worker went away")
+        return "ok"
+
+    def _adopt(self, prelude: Dict[str, Any]) -> None:
+        from dstl.spark.session import serve_executor
+
+        for p in prelude.get("sys_path", ()):
+            if p not in sys.path:
+                sys.path.append(p)
+        watch = prelude.get("watch")
+        self.watch_pid = watch if isinstance(watch, int) and watch > 1 else None
+        pid, eid = prelude.get("executor", (None, "unknown"))
+        serve_executor(pid, eid)
+
+    def _run(self, request: Dict[str, Any], hop_ms: float) -> Dict[str, Any]:
+        from dstl.spark.keyed import run_subtask
+
+        try:
+            report = run_subtask(request["plan"], request["fn"], request["rows"], request["subtask"],
+                                 request["attempt"], request["arrow_schema"])
+        except BaseException as exc:  # noqa: BLE001 - the task's failure travels back to Spark
+            return self._error(exc)
+        report["hop_ms"] = hop_ms  # the rows' way from the worker to this process
+        return {"ok": True, "report": report}
+
+    @staticmethod
+    def _error(exc: BaseException) -> Dict[str, Any]:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        try:
+            payload: Optional[bytes] = pickle.dumps(exc)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001
+            payload = None
+        return {"ok": False, "exc": payload, "tb": tb, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv: List[str]) -> None:
+    name, sock_path = argv[0], argv[1]
+    logging.basicConfig(level=os.environ.get("DSTL_SPARK_SLOT_LOG", "INFO"), stream=sys.stderr,
+                        format=f"%(asctime)s slot {name} pid {os.getpid()} %(levelname)s %(name)s: %(message)s")
+    Slot(name, sock_path).serve()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])
