@@ -20,12 +20,17 @@ import os
 import sys
 
 
-def batch_df(spark, b: int, rows: int, keys: int, payload: int):
+def batch_keys(b: int, keys: int, growing: bool) -> int:
+    """How many keys batch b spreads its rows over: `keys`, or with `growing` (b + 1) * `keys`."""
+    return keys * (b + 1) if growing else keys
+
+
+def batch_df(spark, b: int, rows: int, keys: int, payload: int, growing: bool = False):
     from pyspark.sql import functions as F
 
     ids = spark.range(b * rows, (b + 1) * rows, 1, numPartitions=4)
     return ids.select(
-        F.concat(F.lit("u"), (F.col("id") * 7919 % keys).cast("string")).alias("user"),
+        F.concat(F.lit("u"), (F.col("id") * 7919 % batch_keys(b, keys, growing)).cast("string")).alias("user"),
         F.element_at(F.array(F.lit("a"), F.lit("b"), F.lit("c")), (F.col("id") % 3 + 1).cast("int")).alias("kind"),
         (F.col("id") % 10).alias("value"), F.col("id").alias("ts_ms"),
         # distinct hashes: a broadcast's collect compresses what it ships, and repeated text shrinks
@@ -70,6 +75,7 @@ def main(argv) -> int:
     p.add_argument("--eventlog")
     p.add_argument("--conf", action="append", default=[])
     p.add_argument("--probe-broadcast", action="store_true")
+    p.add_argument("--growing", action="store_true", help="batch b spreads over (b + 1) * K keys: the state grows")
     a = p.parse_args(argv)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
@@ -87,13 +93,13 @@ def main(argv) -> int:
         stream = StatefulStream(a.base, processors.count_fn, processors.COUNT_OUTPUT, key="user",
                                 parallelism=a.parallelism)
         for i in range(a.batches):
-            res = stream.run(batch_df(spark, i, a.rows, a.keys, a.payload))
+            res = stream.run(batch_df(spark, i, a.rows, a.keys, a.payload, a.growing))
             out["batches"].append({
                 "batch": res.batch_id, "route": res.route, "seconds": res.seconds,
                 "placement": res.stats.placement,
                 "reports": [{k: getattr(r, k) for k in (
                     "subtask", "attempt", "executor", "pid", "continued", "restored", "rows_in",
-                    "rows_out")} for r in res.reports]})
+                    "rows_out", "restore_ms", "start_ms", "hop_ms", "state_size")} for r in res.reports]})
         stream.close()
     finally:
         with open(a.result, "w") as f:

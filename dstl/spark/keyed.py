@@ -46,7 +46,7 @@ REPORT_SCHEMA = (
     "subtask int, attempt int, token string, snapshot binary, staged string, rows_in long, "
     "rows_out long, restored boolean, restore_ms double, process_ms double, snapshot_ms double, "
     "state_size long, pid int, host string, cache_hits long, cache_misses long, metrics string, continued boolean, "
-    "executor string, restore_source string, hop_ms double")
+    "executor string, restore_source string, hop_ms double, start_ms double")
 
 
 # ------------------------------------------------------------------ columns
@@ -152,6 +152,9 @@ class TaskReport:
     restore_source: str = ""
     #: the rows' way from the worker to the subtask's slot process (dstl.spark.slots); 0 in the worker
     hop_ms: float = 0.0
+    #: from taking the subtask's state to calling fn: continuing (ms) or restoring it, confirming
+    #: the completed checkpoint, pruning local copies (the hop not included)
+    start_ms: float = 0.0
 
     @classmethod
     def from_row(cls, row) -> "TaskReport":
@@ -163,6 +166,7 @@ class TaskReport:
         d["executor"] = d.get("executor") or ""
         d["restore_source"] = d.get("restore_source") or ""
         d["hop_ms"] = float(d.get("hop_ms") or 0.0)
+        d["start_ms"] = float(d.get("start_ms") or 0.0)
         return cls(**d)
 
     def metric(self, name: str, default: int = 0) -> int:
@@ -378,6 +382,7 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
             # the checkpoint this backend snapshotted is now complete: hand its files to the checkpoint
             backend.confirm(plan.restore_checkpoint_id)
         _prune_local_copies(storage, plan, key, completed_files)
+        t_start = time.perf_counter()
         _fault_mid_batch(plan, fn, rows, backend, subtask)
         _TASK["subtask"], _TASK["metrics"] = subtask, {}
         try:
@@ -404,7 +409,8 @@ def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt:
         _KEY_FILES[key] = _KEY_FILES.get(key, set()) | _LAST_FILES[key]
     return dict(subtask=subtask, attempt=attempt, token=token, snapshot=payload, staged=staged,
                 rows_in=len(rows), rows_out=rows_out, restored=restored,
-                restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t1) * 1e3,
+                restore_ms=(t1 - t0) * 1e3 if restored else 0.0, process_ms=(t2 - t_start) * 1e3,
+                start_ms=(t_start - t0) * 1e3,
                 snapshot_ms=(t3 - t2) * 1e3, state_size=_state_size(snapshot), pid=os.getpid(),
                 host=socket.gethostname(), cache_hits=CACHE.hits, cache_misses=CACHE.misses,
                 metrics=json.dumps(_TASK["metrics"]), continued=from_memory, executor=executor_id(),
@@ -452,7 +458,7 @@ def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attem
     t2 = time.perf_counter()
     staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
     return dict(subtask=subtask, attempt=attempt, token=token, snapshot=b"", staged=staged,
-                rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0,
+                rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0, start_ms=0.0,
                 process_ms=(t2 - t1) * 1e3, snapshot_ms=0.0, state_size=0, pid=os.getpid(),
                 host=socket.gethostname(), cache_hits=0, cache_misses=0, metrics="{}",
                 continued=False, executor=executor_id(), restore_source="memory")
