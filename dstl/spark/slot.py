@@ -102,16 +102,16 @@ class Slot:
                         break
         finally:
             srv.close()
-            try:
-                if os.stat(self.sock_path).st_ino == inode:
-                    os.unlink(self.sock_path)
-                    os.unlink(pid_file)
-            except OSError:
-                pass
             log.info("slot %s exits after %d tasks: %s", self.name, self.tasks, reason)
             from dstl.spark import cache
 
             cache.shutdown()
+            try:  # a clean exit leaves nothing; a crashed slot's log stays (slots.evict_idle sweeps it)
+                if os.stat(self.sock_path).st_ino == inode:
+                    for path in (self.sock_path, pid_file, self.sock_path[: -len(".sock")] + ".log"):
+                        os.unlink(path)
+            except OSError:
+                pass
 
     def _why_exit(self, inode: int, idle_s: float) -> str:
         from dstl.changelog.upload.service.runtime import pid_alive

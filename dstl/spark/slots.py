@@ -220,17 +220,32 @@ def _log_tail(path: str, n: int = 2000) -> str:
     return f"its log {path} ends: {text[-n:]}" if text else f"its log {path} is empty"
 
 
+#: the lock and log of a slot that died without cleaning up are removed after this long
+LEFTOVER_S = 3600.0
+
+
 def evict_idle(keep: str) -> int:
-    """Ask the longest-idle slots to exit while more than `max_slots()` are alive; returns how many."""
+    """Ask the longest-idle slots to exit while more than `max_slots()` are alive, and remove what
+    slots that died long ago left (their lock and log); returns how many slots were asked."""
     d = slots_dir()
     socks = []
     now = time.time()
+    names: Dict[str, Dict[str, Any]] = {}
     for entry in os.scandir(d):
-        if entry.name.endswith(".sock") and not entry.name.startswith(keep):
-            try:
-                socks.append((entry.stat().st_mtime, entry.path))
-            except FileNotFoundError:
-                continue
+        name, _, kind = entry.name.rpartition(".")
+        try:
+            names.setdefault(name, {})[kind] = entry.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if kind == "sock" and name != keep:
+            socks.append((names[name][kind], entry.path))
+    for name, kinds in names.items():
+        if name != keep and "sock" not in kinds and now - max(kinds.values()) > LEFTOVER_S:
+            for kind in kinds:
+                try:
+                    os.unlink(os.path.join(d, f"{name}.{kind}"))
+                except OSError:
+                    pass
     excess = len(socks) + 1 - max_slots()
     asked = 0
     for mtime, path in sorted(socks):
@@ -284,13 +299,15 @@ def connect(name: str) -> socket.socket:
 
 
 def call(name: str, payload: Tuple[bytes, List[memoryview]], executor: Tuple[Optional[int], str],
-         subtask: int, sent: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+         subtask: int, sent: Optional[Callable[[], None]] = None, watch: Optional[int] = None) -> Dict[str, Any]:
     """Run one task in slot `name`: the pickled request `payload` in, the task report out (`sent()`
-    is called in between). The slot's exception is re-raised here, with its traceback."""
+    is called in between). The slot exits once the process `watch` (default: this worker's parent,
+    pyspark's daemon or the executor JVM) is gone. The slot's exception is re-raised here, with
+    its traceback."""
     s = connect(name)
     try:
-        prelude = {"op": "run", "sys_path": [p for p in sys.path if p], "cwd": os.getcwd(),
-                   "executor": executor, "watch": os.getppid(), "sent": time.time()}
+        prelude = {"op": "run", "sys_path": [p for p in sys.path if p], "cwd": os.getcwd(), "executor": executor,
+                   "watch": os.getppid() if watch is None else watch, "sent": time.time()}
         send_obj(s, prelude)
         send(s, *payload)
         if sent is not None:

@@ -1,0 +1,230 @@
+"""Slots (dstl.spark.slots): the process per subtask and host that keeps the state warm whichever
+Python worker runs the task. Without Spark: the real task body (`run_placed` -> the slot ->
+`run_subtask`) against a real CheckpointCoordinator on a local base path, real slot processes,
+stopped by PID. The Spark side is tests/test_spark_routing.py (fast tier) and
+tests/test_spark_placement.py (killed slots and workers)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from conftest import heavy_twins
+from dstl.changelog.upload.service.runtime import pid_alive
+from dstl.spark import slots
+from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
+from dstl.spark.keyed import TaskReport, run_placed
+
+SCHEMA = pa.schema([("key", pa.int64()), ("count", pa.int64())])
+
+
+def count_fn(rows, state):
+    """Per key: how many rows so far (a value state), emitted for the keys of this batch."""
+    counts = state.value_state("n")
+    out = []
+    for key, n in rows.groupby("key").size().items():
+        total = (counts.get(int(key)) or 0) + int(n)
+        counts.update(int(key), total)
+        out.append((int(key), total))
+    return pd.DataFrame(out, columns=["key", "count"])
+
+
+def failing_fn(rows, state):
+    raise KeyError("no such column in the user's function")
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _slot_pids():
+    d = slots.slots_dir()
+    pids = []
+    for name in os.listdir(d):
+        if name.endswith(".pid"):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    pids.append(int(f.read().strip()))
+            except (OSError, ValueError):
+                pass
+    return pids
+
+
+@pytest.fixture
+def slot_env(monkeypatch, tmp_path):
+    """A runtime directory of the test's own; every slot started in it is SIGKILLed by PID after."""
+    monkeypatch.setenv("DSTL_RUNTIME_DIR", str(tmp_path / "rt"))
+    monkeypatch.delenv(slots.ENV_SWITCH, raising=False)
+    yield
+    for pid in _slot_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_gone(pid)
+
+
+def _job(tmp_path, name="counts"):
+    base = str(tmp_path / name)
+    opts = {"upload.mode": "thread"}
+    return CheckpointCoordinator.open(base, JobSpec.new(name, 8, base + "/output"), opts, resume=False)
+
+
+def _batch(coord, batch: int, keys, fn=count_fn, watch=None, subtask: int = 0):
+    plan = coord.plan(batch, 1)
+    rows = pd.DataFrame({"key": pd.array(keys, dtype="int64")})
+    if watch is None:
+        report = TaskReport(**run_placed(plan, fn, rows, subtask, 0, SCHEMA))
+    else:
+        payload = slots.dumps(dict(plan=plan, fn=fn, rows=rows, subtask=subtask, attempt=0, arrow_schema=SCHEMA),
+                              by_value=True)
+        report = TaskReport(**slots.call(slots.slot_name(plan.job_id, plan.operator_id, subtask), payload,
+                                         (None, "driver"), subtask, watch=watch))
+    report.output = pd.read_parquet(report.staged) if report.staged else None  # before the commit moves it
+    coord.complete(plan, [report])
+    return report
+
+
+def test_the_state_stays_in_one_slot_process_across_batches(slot_env, tmp_path):
+    import dstl
+
+    coord = _job(tmp_path)
+    first = _batch(coord, 0, [1, 2, 2])
+    second = _batch(coord, 1, [2, 3])
+    assert first.pid == second.pid != os.getpid()           # the slot, not this process
+    assert first.restore_source == "new" and not first.continued
+    assert second.continued and second.restore_source == "memory" and second.restore_ms == 0
+    assert second.hop_ms > 0 and second.start_ms >= 0
+    out = second.output.sort_values("key")
+    assert out.to_dict("list") == {"key": [2, 3], "count": [3, 1]}
+    # the slot runs the implementation this process runs (its name includes it)
+    assert slots.slot_name("j", "op", 0) != slots.slot_name("j", "op", 1)
+    assert dstl.IMPLEMENTATION in ("cython", "python")
+
+
+def test_off_runs_the_task_in_this_process(slot_env, tmp_path, monkeypatch):
+    monkeypatch.setenv(slots.ENV_SWITCH, "off")
+    assert not slots.enabled()
+    coord = _job(tmp_path)
+    report = _batch(coord, 0, [1])
+    assert report.pid == os.getpid() and report.hop_ms == 0
+
+
+def test_the_functions_exception_is_raised_in_the_worker_with_the_slots_traceback(slot_env, tmp_path):
+    coord = _job(tmp_path)
+    plan = coord.plan(0, 1)
+    with pytest.raises(KeyError, match="no such column") as info:
+        run_placed(plan, failing_fn, pd.DataFrame({"key": [1]}), 0, 0, SCHEMA)
+    cause = info.value.__cause__
+    assert isinstance(cause, slots.RemoteTraceback) and "failing_fn" in cause.tb and "slot process" in str(cause)
+    # the failed task's state was thrown away, not cached: the next attempt starts from the checkpoint
+    report = TaskReport(**run_placed(plan, count_fn, pd.DataFrame({"key": [1]}), 0, 1, SCHEMA))
+    assert not report.continued
+
+
+def test_a_different_forwarded_environment_gets_a_slot_of_its_own(monkeypatch):
+    before = slots.slot_name("job", "op", 0)
+    monkeypatch.setenv("DSTL_SOMETHING_FOR_THE_WORKERS", "1")
+    assert slots.slot_name("job", "op", 0) != before
+    monkeypatch.setenv("UNRELATED_VARIABLE", "1")  # not forwarded to workers: the same slot
+    monkeypatch.delenv("DSTL_SOMETHING_FOR_THE_WORKERS")
+    assert slots.slot_name("job", "op", 0) == before
+
+
+@heavy_twins  # starts extra processes: the full tier, under both builds
+def test_a_slot_exits_when_the_process_it_watches_is_gone(slot_env, tmp_path):
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        coord = _job(tmp_path)
+        report = _batch(coord, 0, [1], watch=watched.pid)
+        assert pid_alive(report.pid)
+    finally:
+        watched.kill()
+        watched.wait()
+    assert _wait_gone(report.pid), "the slot outlived the daemon of the worker it served"
+    # it cleaned up: no socket, pid file or log left for its name
+    name = slots.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
+    assert not [f for f in os.listdir(slots.slots_dir()) if f.startswith(name) and not f.endswith(".lock")]
+
+
+def test_a_slot_exits_when_its_socket_is_removed(slot_env, tmp_path):
+    coord = _job(tmp_path)
+    report = _batch(coord, 0, [1])
+    name = slots.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
+    os.unlink(slots.paths(name)["sock"])  # a temp cleaner
+    assert _wait_gone(report.pid)
+    # the next task starts a new slot, which restores the subtask from the checkpoint
+    again = _batch(coord, 1, [1])
+    assert again.pid != report.pid and again.restored and again.restore_source == "dfs"
+
+
+@heavy_twins  # starts extra processes: the full tier, under both builds
+def test_a_slot_whose_worker_dies_mid_task_exits_without_its_state(slot_env, tmp_path):
+    coord = _job(tmp_path)
+    first = _batch(coord, 0, [1, 1])
+    plan = coord.plan(1, 1)
+    import pickle
+
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import pickle, sys, time
+        import pandas as pd
+        from dstl.spark.keyed import run_placed
+        plan, schema, marker = pickle.loads(sys.stdin.buffer.read())
+        def slow(rows, state):
+            state.value_state("n").update(1, 1000)
+            open(marker, "w").close()
+            time.sleep(60)
+        run_placed(plan, slow, pd.DataFrame({"key": [1]}), 0, 0, schema)
+    """)], stdin=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    marker = str(tmp_path / "inside-slow")
+    worker.stdin.write(pickle.dumps((plan, SCHEMA, marker)))
+    worker.stdin.close()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):  # the slot is inside `slow` now
+            assert time.monotonic() < deadline and worker.poll() is None, "the task never reached the slot"
+            time.sleep(0.05)
+        assert pid_alive(first.pid)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert _wait_gone(first.pid, 5.0), "the slot kept running a task nobody waits for"
+    # the retry restores the last checkpoint: the dead task's update never happened
+    retry = TaskReport(**run_placed(plan, count_fn, pd.DataFrame({"key": [1]}), 0, 1, SCHEMA))
+    assert retry.restored and retry.pid != first.pid
+    assert pd.read_parquet(retry.staged).to_dict("list") == {"key": [1], "count": [3]}
+    coord.complete(plan, [retry])
+
+
+@heavy_twins  # starts extra processes: the full tier, under both builds
+def test_too_many_slots_ask_the_longest_idle_to_exit(slot_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSTL_SPARK_SLOTS_MAX", "2")
+    monkeypatch.setattr(slots, "EVICTABLE_IDLE_S", 0.0)
+    a = _batch(_job(tmp_path, "a"), 0, [1])
+    time.sleep(0.05)
+    b = _batch(_job(tmp_path, "b"), 0, [1])
+    assert pid_alive(a.pid) and pid_alive(b.pid)   # two: at the limit, nobody asked yet
+    c = _batch(_job(tmp_path, "c"), 0, [1])          # a third: the longest idle (a) goes
+    assert _wait_gone(a.pid) and pid_alive(b.pid) and pid_alive(c.pid)
+
+
+def test_a_slot_that_cannot_start_says_why(slot_env, monkeypatch, tmp_path):
+    """An interpreter that cannot run the slot: the task fails at once, with the slot's log."""
+    broken = tmp_path / "python"
+    broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.exit(\"no dstl for this interpreter\")'\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(slots.sys, "executable", str(broken))
+    with pytest.raises(slots.SlotError, match="could not start the slot process.*no dstl for this interpreter"):
+        slots.connect("0123456789abcdef")
