@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import sys
 import uuid
 
@@ -145,7 +146,13 @@ def test_copies_of_dead_owners_are_swept_and_live_ones_kept(tmp_path):
     dead = os.path.join(root, f"{lr.OWNER_PREFIX}{dead_pid}-deadbeef")
     os.makedirs(os.path.join(dead, "jid_x", "taskowned"))
     open(os.path.join(dead, "jid_x", "taskowned", "f"), "wb").close()
-    assert sweep_download_caches(root, lr.OWNER_PREFIX) == 1
+    # a dead owner that wrote recently is kept for the retry of the task it died in (a killed slot) ...
+    assert sweep_download_caches(root, lr.OWNER_PREFIX, grace_s=600) == 0
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(mine), os.path.basename(dead)])
+    # ... and swept once it is older than the grace
+    for d, _, _ in os.walk(dead):
+        os.utime(d, (time.time() - 700, time.time() - 700))
+    assert sweep_download_caches(root, lr.OWNER_PREFIX, grace_s=600) == 1
     assert os.listdir(root) == [os.path.basename(mine)]
 
 

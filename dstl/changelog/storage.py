@@ -216,7 +216,9 @@ _swept_roots: Dict[str, int] = {}  # root -> pid that swept it (once per process
 
 def _sweep_dead_owners(root: str) -> None:
     """Remove the owner directories below a local-recovery root whose process died (a lost
-    executor's Python workers), by the pid in their name: the download caches' sweep."""
+    executor's Python workers, a killed slot), by the pid in their name: the download caches' sweep.
+    An owner that wrote within `DSTL_LOCAL_RECOVERY_GRACE_S` (600 s) is kept: the retry of the task
+    it died in restores from its copies of the latest checkpoint."""
     import os
 
     if _swept_roots.get(root) == os.getpid():
@@ -226,7 +228,7 @@ def _sweep_dead_owners(root: str) -> None:
     from dstl.changelog.upload.service.runtime import sweep_download_caches
 
     try:
-        sweep_download_caches(root, OWNER_PREFIX)
+        sweep_download_caches(root, OWNER_PREFIX, float(os.environ.get("DSTL_LOCAL_RECOVERY_GRACE_S", "600")))
     except OSError as exc:
         log.warning("could not sweep the local-recovery directory %s: %s", root, exc)
 

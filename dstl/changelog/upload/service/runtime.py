@@ -422,9 +422,12 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
 
 
 CACHE_PREFIX = "dstl-download-cache-"
-def sweep_download_caches(directory: Optional[str] = None, prefix: str = CACHE_PREFIX) -> int:
+def sweep_download_caches(directory: Optional[str] = None, prefix: str = CACHE_PREFIX, grace_s: float = 0.0) -> int:
     """Remove `<prefix><pid>-*` directories (download caches; with another `prefix`, local-recovery
-    owner directories) whose process is gone; returns how many."""
+    owner directories) whose process is gone, and, with `grace_s`, in which nothing was written for
+    that long (a dead owner's latest copies may still be what a retry restores from); returns how many."""
+    import time
+
     directory = directory or tempfile.gettempdir()
     removed = 0
     try:
@@ -437,9 +440,23 @@ def sweep_download_caches(directory: Optional[str] = None, prefix: str = CACHE_P
         pid = name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        if grace_s > 0 and time.time() - _newest_dir_mtime(path) < grace_s:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
         removed += 1
     return removed
+
+
+def _newest_dir_mtime(path: str) -> float:
+    """The latest mtime of `path` and the directories below it (a file added or removed shows there)."""
+    newest = 0.0
+    for root, _dirs, _files in os.walk(path):
+        try:
+            newest = max(newest, os.stat(root).st_mtime)
+        except OSError:
+            continue
+    return newest
 
 
 def sweep_stale(root: Optional[str] = None) -> dict:
