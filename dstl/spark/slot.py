@@ -31,8 +31,9 @@ class _ClientWatch:
     """While a task runs: exit the process the moment its worker goes away (a killed task or a lost
     executor). The task's state is half-updated and nobody will ever ask for its result."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, listener: socket.socket):
         self._conn = conn
+        self._listener = listener
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dstl-slot-watch", daemon=True)
         self._thread.start()
@@ -45,13 +46,22 @@ class _ClientWatch:
                     if self._done.is_set():
                         return
                     log.warning("the worker of the running task went away: exiting without its state")
-                    os._exit(3)
+                    self._die()
             except BlockingIOError:
                 continue
             except OSError:
                 if not self._done.is_set():
-                    os._exit(3)
+                    self._die()
                 return
+
+    def _die(self) -> None:
+        # stop accepting first: a process whose other threads are still exiting keeps its socket
+        # open for a moment, and the retry of this task must not connect to it
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        os._exit(3)
 
     def stop(self) -> None:
         self._done.set()
@@ -85,6 +95,7 @@ class Slot:
         with open(pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
         srv.settimeout(TICK_S)
+        self._listener = srv
         log.info("slot %s listening on %s (pid %d)", self.name, self.sock_path, os.getpid())
         reason = "?"
         try:
@@ -98,20 +109,39 @@ class Slot:
                     continue
                 with conn:
                     if self._handle(conn) == "exit":
-                        reason = "asked to exit"
+                        reason = "asked to exit while idle"
                         break
+            self._drain(srv, inode)
         finally:
             srv.close()
             log.info("slot %s exits after %d tasks: %s", self.name, self.tasks, reason)
             from dstl.spark import cache
 
             cache.shutdown()
-            try:  # a clean exit leaves nothing; a crashed slot's log stays (slots.evict_idle sweeps it)
-                if os.stat(self.sock_path).st_ino == inode:
-                    for path in (self.sock_path, pid_file, self.sock_path[: -len(".sock")] + ".log"):
+            # a clean exit leaves nothing; a crashed slot's log stays (slots.evict_idle sweeps it)
+            if not os.path.exists(self.sock_path):  # no successor has started under this name yet
+                for path in (pid_file, self.sock_path[: -len(".sock")] + ".log"):
+                    try:
                         os.unlink(path)
-            except OSError:
-                pass
+                    except OSError:
+                        pass
+
+    def _drain(self, srv: socket.socket, inode: int) -> None:
+        """Unlink the socket (a new task starts a new slot from now on), then serve the tasks that
+        connected before: a task never fails only because its slot was about to exit."""
+        try:
+            if os.stat(self.sock_path).st_ino == inode:
+                os.unlink(self.sock_path)
+        except OSError:
+            pass
+        srv.settimeout(0.0)
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except (BlockingIOError, socket.timeout, OSError):
+                return
+            with conn:
+                self._handle(conn, exiting=True)
 
     def _why_exit(self, inode: int, idle_s: float) -> str:
         from dstl.changelog.upload.service.runtime import pid_alive
@@ -127,16 +157,19 @@ class Slot:
             return "its socket was removed"
         return ""
 
-    def _handle(self, conn: socket.socket) -> str:
+    def _handle(self, conn: socket.socket, exiting: bool = False) -> str:
         conn.settimeout(300.0)
         try:
             prelude = slots.recv_obj(conn)
         except (EOFError, OSError, pickle.UnpicklingError):
             return "bad"
         if prelude.get("op") == "exit":
-            return "exit"
+            # only when idle for as long as the asker assumed: a task may have ended meanwhile
+            idle = time.monotonic() - self.last_used
+            return "exit" if exiting or idle >= float(prelude.get("idle_s", 0.0)) else "ok"
         self._adopt(prelude)
         try:
+            slots.send_obj(conn, {"ack": os.getpid()})  # the task is this slot's from now on
             request = slots.recv_obj(conn)
         except (EOFError, OSError):
             return "bad"
@@ -145,7 +178,7 @@ class Slot:
         else:
             hop_ms = max(0.0, (time.time() - prelude["sent"]) * 1e3)
             conn.settimeout(None)
-            watch = _ClientWatch(conn)
+            watch = _ClientWatch(conn, self._listener)
             try:
                 reply = self._run(request, hop_ms)
             finally:

@@ -260,7 +260,7 @@ def evict_idle(keep: str) -> int:
             continue
         try:
             s.settimeout(1.0)
-            send_obj(s, {"op": "exit"})
+            send_obj(s, {"op": "exit", "idle_s": EVICTABLE_IDLE_S})
             asked += 1
         except OSError:
             pass
@@ -304,11 +304,24 @@ def call(name: str, payload: Tuple[bytes, List[memoryview]], executor: Tuple[Opt
     is called in between). The slot exits once the process `watch` (default: this worker's parent,
     pyspark's daemon or the executor JVM) is gone. The slot's exception is re-raised here, with
     its traceback."""
-    s = connect(name)
+    prelude = {"op": "run", "sys_path": [p for p in sys.path if p], "cwd": os.getcwd(), "executor": executor,
+               "watch": os.getppid() if watch is None else watch}
+    for tries in range(1, 4):
+        # a slot that exits (idle, or its previous task's worker died) may still accept for a
+        # moment: without its acknowledgement the task never reached it, and another slot takes it
+        s = connect(name)
+        try:
+            prelude["sent"] = time.time()  # the hop: from here to the request unpickled in the slot
+            send_obj(s, prelude)
+            recv_obj(s)
+            break
+        except (EOFError, ConnectionError) as exc:
+            s.close()
+            if tries == 3:
+                raise SlotError(f"the slot of subtask {subtask} closed three connections before taking "
+                                f"the task ({exc}; {_log_tail(paths(name)['log'], 600)})") from None
+            time.sleep(0.05 * tries)
     try:
-        prelude = {"op": "run", "sys_path": [p for p in sys.path if p], "cwd": os.getcwd(), "executor": executor,
-                   "watch": os.getppid() if watch is None else watch, "sent": time.time()}
-        send_obj(s, prelude)
         send(s, *payload)
         if sent is not None:
             sent()
