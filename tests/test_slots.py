@@ -68,6 +68,9 @@ def slot_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DSTL_RUNTIME_DIR", str(tmp_path / "rt"))
     monkeypatch.delenv(slots.ENV_SWITCH, raising=False)
     yield
+    from dstl.spark import cache
+
+    cache.shutdown()  # what a task ran in this process (slots off) keeps its storage and threads
     for pid in _slot_pids():
         try:
             os.kill(pid, signal.SIGKILL)
