@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     # local[N,F]: local mode retries a failed task only with F > 1 (the Python-worker kill needs it)
     p.add_argument("--master", default="local[2,4]")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting")
     args = p.parse_args(argv)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     sys.path.insert(0, HERE)
@@ -52,11 +53,15 @@ def main(argv=None) -> int:
     from processors import COUNT_OUTPUT, count_fn
     from streaming_util import read_stream
 
-    spark = (SparkSession.builder.master(args.master).appName(f"dstl-kill-p{args.parallelism}")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.task.maxFailures", "4")
-             .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
+    builder = (SparkSession.builder.master(args.master).appName(f"dstl-kill-p{args.parallelism}")
+               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2").config("spark.task.maxFailures", "4")
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true"))
+    for kv in args.conf:
+        k, _, v = kv.partition("=")
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     options = {kv.partition("=")[0]: kv.partition("=")[2] for kv in args.option}
 
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
         res = stream(df, batch_id)
         _append(args.progress, json.dumps({"batch": batch_id, "phase": "done", "t": time.time(),
                                            "replayed": res.replayed, "restored": res.restored,
+                                           "phases_ms": res.phases_ms,
                                            "max_parallelism": stream.max_parallelism_in_use}))
 
     query = (read_stream(spark, args.input).writeStream.foreachBatch(each_batch)

@@ -53,6 +53,11 @@ RUN_TIMEOUT_S = 400
 # thread mode: no upload service to start in each driver's first batch (it costs 10-15 s per driver
 # on a loaded machine); the kills under test are the driver's, whatever the workers upload with
 OPTIONS = ["upload.mode=thread"]
+# Start-up costs of a short-lived driver on a loaded machine, none of which matters to what is tested:
+# whole-stage codegen and adaptive planning compile and re-plan every tiny query, and the JVM's C2
+# compiler and parallel GC threads compete for the two cores (a 4-batch driver: 70-115 s -> 40-70 s)
+CONF = ["spark.sql.codegen.wholeStage=false", "spark.sql.adaptive.enabled=false"]
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 @dataclass(frozen=True)
@@ -205,13 +210,15 @@ class Chain:
     seconds: List[Tuple[str, float]] = field(default_factory=list)
 
 
-def _run(argv: List[str], faults_spec: Optional[str], log_path: str) -> Tuple[int, str]:
+def _run(argv: List[str], faults_spec: Optional[str], log_path: str, jvm_options: str = "") -> Tuple[int, str]:
     """Run one process (its own process group) to its end or its SIGKILL; then SIGKILL whatever is
     left of its group (a killed driver's JVM and Python workers), as a crashed host would lose them."""
     from dstl.tools.stream_demo import reap_group
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYSPARK_PYTHON=sys.executable,
                SPARK_LOCAL_IP="127.0.0.1")
+    if jvm_options:
+        env["JAVA_TOOL_OPTIONS"] = f"{env.get('JAVA_TOOL_OPTIONS', '')} {jvm_options}".strip()
     env.pop("DSTL_FAULTS", None)
     if faults_spec:
         env["DSTL_FAULTS"] = faults_spec
@@ -258,7 +265,9 @@ def run_chain(tmp: str) -> Chain:
                 "--sink-log", sink_log]
         for opt in OPTIONS:
             argv += ["--option", opt]
-        return _run(argv, faults_spec, log_path)
+        for kv in CONF:
+            argv += ["--conf", kv]
+        return _run(argv, faults_spec, log_path, jvm_options=JVM_OPTIONS)
 
     def rescale_cli(faults_spec: Optional[str]) -> Tuple[int, str]:
         argv = [sys.executable, "-m", "dstl", "state", "rescale", base,
