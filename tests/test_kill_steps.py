@@ -16,7 +16,8 @@ and two `dstl state rescale` processes cover:
 * each step of a rescale (RESCALE_KILLS): the offline `dstl state rescale` to 256 key groups with
   one new subtask's state uploaded, then again once its checkpoint is durable but the job file not
   updated; then the query restarted at parallelism 3, killed in its first batch there;
-* the process that holds a subtask's warm state, killed mid-task (TASK_TARGETS), in the last run.
+* the processes a task runs in, killed mid-task (TASK_TARGETS: the subtask's slot process, which
+  holds its warm state, and the Python worker that forwards its rows), each in a batch of the last run.
 
 Each kill gets one test (`test_kill_then_restart[<point>@<batch>]`) that checks what the base path
 holds right after the kill (what is guaranteed at that step) and after the restart (every batch up
@@ -118,16 +119,18 @@ class TaskTarget:
     spec: Callable[[int, str], str]
 
 
-#: The parametrisation hook for the task side. Today the warm state lives in the Python worker
-#: (dstl.spark.cache), so the target is the Python worker, killed at `task.mid_batch`; Spark retries
-#: the task (local[2,4]) and the retry restores from the last checkpoint. When state moves into a
-#: per-subtask long-lived process (the cluster-scale redesign), add its target here, e.g.
-#: `TaskTarget("subtask-process", lambda b, m: f"task.mid_batch@{b}/0=kill-subtask-process:once={m}")`
-#: with that action in dstl.spark.faults; each target gets its own batch of the last run.
+#: The parametrisation hook for the task side: each target is killed mid-task in its own batch of the
+#: last run, and Spark retries the task (local[2,4]), whose retry restores the subtask from the last
+#: checkpoint. Since dstl.spark.slots, a subtask's warm state lives in its slot process (one per
+#: subtask and host), which `task.mid_batch` runs in; the Python worker that forwards the task's rows
+#: waits at `task.worker_wait` (killing it makes the slot exit without its state). With slots off
+#: (DSTL_SPARK_SLOTS=0) the state is the worker's and `task.mid_batch` runs there. A new holder of warm
+#: state (or a new way to lose it, e.g. a `kill-executor` on a cluster) is one more entry here.
 TASK_TARGETS: List[TaskTarget] = [
-    TaskTarget("python-worker", lambda b, marker: f"task.mid_batch@{b}/0=kill:once={marker}"),
+    TaskTarget("slot-process", lambda b, marker: f"task.mid_batch@{b}/0=kill:once={marker}"),
+    TaskTarget("python-worker", lambda b, marker: f"task.worker_wait@{b}/0=kill:once={marker}"),
 ]
-FIRST_TASK_KILL_BATCH = 9  # the last run's second batch: batch 8 (redone at P=3) makes its subtasks warm
+FIRST_TASK_KILL_BATCH = 9  # from the last run's second batch: batch 8 (redone at P=3) makes its subtasks warm
 N_BATCHES = FIRST_TASK_KILL_BATCH + len(TASK_TARGETS)
 
 
