@@ -2,7 +2,7 @@
 same query is exact (docs/semantics.md, "Kills at every step").
 
 One harness, parametrised by the tables below. Every Spark driver start is the expensive part (a JVM,
-Python workers, the first batch's imports: 25-60 s each on a loaded 2-core machine), so the kills do
+Python workers, the first batch's imports: 30-70 s each on a loaded 2-core machine), so the kills do
 not each get a fresh job: they form ONE chain on one base path and one Spark checkpoint location.
 Run i of tests/kill_driver.py (a real Structured Streaming driver, its own process group) is
 SIGKILLed at kill i (`DSTL_FAULTS="<point>@<batch>=kill"`), and run i + 1 is both the restart that
@@ -21,11 +21,16 @@ and two `dstl state rescale` processes cover:
 
 Each kill gets one test (`test_kill_then_restart[<point>@<batch>]`) that checks what the base path
 holds right after the kill (what is guaranteed at that step) and after the restart (every batch up
-to the latest checkpoint committed exactly once, as pandas computes it; the sink called with exactly
-that data). `test_the_whole_stream_is_exact` checks the end: all output exact, the sink called once
+to the killed one committed exactly once, as pandas computes it, nothing committed past the latest
+checkpoint, and every sink call given exactly its batch's data). `test_the_whole_stream_is_exact` checks the end: all output exact, the sink called once
 per batch (twice for the batch killed in its sink), nothing left in the staging area, and nothing for
 `dstl gc` to delete. The chain runs once per module (a module-scoped fixture); a test whose step
 the chain did not reach fails with the reason.
+
+Cost: nine driver starts, two CLI runs, 10 batches. Measured for the whole module on the shared
+2-core machine while other developers' Spark suites ran (load average 12-15): 8 min 52 s (drivers
+31-72 s each, the rescale CLI 1 s). The whole chain is needed by every test of the module: select
+none of them to skip it (`-m "not heavy"`).
 """
 from __future__ import annotations
 
