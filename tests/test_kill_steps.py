@@ -27,9 +27,9 @@ per batch (twice for the batch killed in its sink), nothing left in the staging 
 `dstl gc` to delete. The chain runs once per module (a module-scoped fixture); a test whose step
 the chain did not reach fails with the reason.
 
-Cost: nine driver starts, two CLI runs, 10 batches. Measured for the whole module on the shared
-2-core machine while other developers' Spark suites ran (load average 12-15): 8 min 52 s (drivers
-31-72 s each, the rescale CLI 1 s). The whole chain is needed by every test of the module: select
+Cost: nine driver starts, two CLI runs, 11 batches. Measured for the whole module on the shared
+2-core machine while other developers' Spark suites ran: 6 min 23 s at load average 6-12 (drivers
+18-70 s each, the rescale CLI 1-2 s), 8 min 52 s at 12-15 (drivers 31-72 s). The whole chain is needed by every test of the module: select
 none of them to skip it (`-m "not heavy"`).
 """
 from __future__ import annotations
