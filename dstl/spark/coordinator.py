@@ -32,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from dstl.spark import faults
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
 from dstl.spark.placement import log_batch
 from dstl.state.relpaths import relative_to, resolve
@@ -398,6 +399,7 @@ class CheckpointCoordinator:
             _, final_p = _fs(final)
             if fs.exists(staged_p):
                 fs.mv(staged_p, final_p)
+                faults.point("coordinator.mid_commit", batch)
             elif not fs.exists(final_p):
                 raise RuntimeError(f"output of batch {batch} is lost: neither {staged} nor {final} exists")
         with fs.open(marker, "wb") as f:
@@ -453,6 +455,7 @@ class CheckpointCoordinator:
         self._check_lease(())  # deletes nothing on a base path another run has taken over
         for cid in list_checkpoints(self.base_path)[:-self.retain]:
             remove_checkpoint(self.base_path, cid)
+            faults.point("coordinator.mid_gc_checkpoints", self.next_batch - 1)
         files = self.changelog_files()
         new = {n: s for n, s in files.items() if n not in self._known_files}
         keep = self.referenced_files()
@@ -464,6 +467,7 @@ class CheckpointCoordinator:
             try:
                 cfs.rm(_join(croot, name))
                 deleted += 1
+                faults.point("coordinator.mid_gc_files", self.next_batch - 1)
             except FileNotFoundError:
                 pass
         self._suspects = garbage - doomed

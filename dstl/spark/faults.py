@@ -14,17 +14,34 @@ JVM is the driver, only this process), ``raise`` (raise `InjectedFault`), ``stal
 test kills its host). An action may end with ``:once=<path>``: it fires only if that marker file does
 not exist yet and creates it (a retried Spark task then succeeds).
 
-Points:
+Points, in the order a batch passes them (what a kill there leaves, and what the restart does:
+docs/semantics.md §15):
 
-=============================  =============================================================
-``stream.after_checkpoint``    StatefulStream: checkpoint durable, output not committed, sink not called
-``stream.after_sink``          StatefulStream: sink called, foreachBatch not yet returned to Spark
-``pipeline.after_metadata``    the demo pipeline's ``--kill-at``: checkpoint durable, output not committed
-``task.mid_batch``             a stateful task, after applying half of its rows (``--fail-at``); in the
-                               subtask's slot process (dstl.spark.slots) when slots are on
-``task.worker_wait``           the Python worker of a task, after it handed the rows to the slot
-                               process, while the slot runs the task
-=============================  =============================================================
+==================================  ==========================================================
+``stream.before_tasks``             StatefulStream: batch planned, no task started, nothing written
+``task.worker_wait``                the Python worker of a task, after it handed the rows to the slot
+                                    process, while the slot runs the task
+``task.mid_batch``                  a stateful task, after applying half of its rows (``--fail-at``); in the
+                                    subtask's slot process (dstl.spark.slots) when slots are on, else
+                                    in the Python worker: ``kill`` there kills the warm state's holder
+``stream.after_tasks``              StatefulStream: task reports collected (output staged, changelog
+                                    uploaded), no checkpoint
+``stream.after_checkpoint``         StatefulStream: checkpoint durable, output not committed, sink not called
+``pipeline.after_metadata``         the demo pipeline's ``--kill-at``: checkpoint durable, output not committed
+``coordinator.mid_commit``          after each staged output file is renamed into place, before the
+                                    next one and ``_SUCCESS`` (also in the commit a restart finishes)
+``coordinator.mid_gc_checkpoints``  after an old checkpoint is deleted, before the changelog files
+``coordinator.mid_gc_files``        after an unreferenced changelog file is deleted, before the next
+                                    (also in the final pass of ``finish()``/``close()``)
+``stream.mid_sink``                 the user's sink returned (or there is none), its marker not
+                                    written: for the restart, the same as a kill inside the sink
+``stream.after_sink``               StatefulStream: sink called, foreachBatch not yet returned to Spark
+``rescale.mid_write``               ``dstl state rescale``: new subtask N's state uploaded (``@*/N``),
+                                    no new checkpoint; no batch (match with ``@*``)
+``rescale.after_checkpoint``        ``dstl state rescale``: new checkpoint durable, job file not updated
+==================================  ==========================================================
+
+The coordinator's points get the batch of the checkpoint being completed; the rescale's get none.
 """
 from __future__ import annotations
 

@@ -414,11 +414,13 @@ class StatefulStream:
                           evolutions=self._evolutions)
         plan = coord.plan(batch_id, self.parallelism)
         plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
+        faults.point("stream.before_tasks", batch_id)
         reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage,
                                                    route=route)
         # evaluated exactly once
         rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
         reports = [TaskReport.from_row(r) for r in rows]
+        faults.point("stream.after_tasks", batch_id)
         t_tasks = time.perf_counter()
         nulls = sum(r.metric("null_rows") for r in reports)
         if nulls and self.null_keys == "error":
@@ -493,6 +495,7 @@ class StatefulStream:
 
     def _deliver(self, spark, batch_id: int, checkpoint_id: int) -> bool:
         """Call the sink for a committed batch unless it already returned; True if called."""
+        from dstl.spark import faults
         from dstl.spark.sink import mark_sink_done, prune_markers, read_batch_output, sink_done
 
         if sink_done(self.base_path, batch_id):
@@ -502,6 +505,7 @@ class StatefulStream:
             out = read_batch_output(spark, self.coordinator.batch_output_dir(batch_id), self._output_struct_type())
             self.sink(out, batch_id)
             called = True
+        faults.point("stream.mid_sink", batch_id)
         mark_sink_done(self.base_path, batch_id, checkpoint_id)
         prune_markers(self.base_path, batch_id - 10)
         return called

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 __all__ = ["rescale_checkpoint"]
 
@@ -26,10 +26,14 @@ def _never() -> int:
 
 def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Optional[int] = None,
                        serializers: Optional[Dict[str, Any]] = None,
-                       storage_options: Optional[Dict[str, Any]] = None, options: Any = None):
+                       storage_options: Optional[Dict[str, Any]] = None, options: Any = None,
+                       on_step: Optional[Callable[[str, Optional[int]], None]] = None):
     """Rewrite the latest checkpoint at `base_path` with `max_parallelism` key groups (and
     `parallelism` subtasks, default: the old parallelism capped at the new max parallelism).
     `storage_options`: the file system's keyword arguments; `options`: dstl's storage options.
+    `on_step(name, subtask)` is called at each step of the writes (`"mid_write"` once per new
+    subtask's state uploaded, `"after_checkpoint"` before the job file is updated): the fault
+    points `rescale.*` of `dstl state rescale` (dstl.spark.faults).
     Returns the new checkpoint's metadata."""
     from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, assign_to_key_group
     from dstl.state import KeyedStateBackend
@@ -70,9 +74,11 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
                             b = backends[kg * p // max_parallelism]
                             b._table.setdefault(kg, {}).setdefault(name, {})[key] = value
         snaps = []
-        for b in backends:
+        for i, b in enumerate(backends):
             b.materialize(force=True)
             snaps.append(b.snapshot(new_id).result())
+            if on_step is not None:
+                on_step("mid_write", i)  # subtasks 0..i uploaded, no checkpoint yet
         ops = repartition(old.operator_states(), p) if any(old.operator_states()) else [[] for _ in range(p)]
         props = dict(old.properties)
         props.update(tokens=[uuid.uuid4().hex for _ in range(p)], rescaled_from=old.checkpoint_id,
@@ -87,6 +93,8 @@ def rescale_checkpoint(base_path: str, max_parallelism: int, *, parallelism: Opt
         for b in backends:
             b.close()
         storage.close()
+    if on_step is not None:
+        on_step("after_checkpoint", None)  # the new checkpoint is durable, the job file not updated
     update_job_file(base_path, max_parallelism)
     from dstl.state.metadata import read_checkpoint
 

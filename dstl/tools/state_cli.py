@@ -315,9 +315,11 @@ def _changes(args) -> int:
 
 
 def _rescale(args) -> int:
+    from dstl.spark import faults
     from dstl.state.rescale import rescale_checkpoint
 
-    meta = rescale_checkpoint(args.base_path, args.max_parallelism, parallelism=args.parallelism)
+    meta = rescale_checkpoint(args.base_path, args.max_parallelism, parallelism=args.parallelism,
+                              on_step=lambda step, subtask: faults.point(f"rescale.{step}", None, subtask=subtask))
     info = {"checkpoint_id": meta.checkpoint_id, "max_parallelism": meta.max_parallelism,
             "parallelism": meta.parallelism}
     if args.json:
