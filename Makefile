@@ -82,7 +82,7 @@ clean:
 # reason (transformWithState is Spark 4's). docs/spark.md, "Spark 3.5".
 VENV35 ?= .venv-spark35
 PY35 := $(VENV35)/bin/python
-SPARK35_TESTS ?= tests/test_spark_placement.py::test_local_mode_runs_p_concurrent_tasks_and_survives_a_killed_python_worker \
+SPARK35_TESTS ?= tests/test_spark_placement.py::test_local_mode_keeps_every_subtask_warm_in_its_slot_and_survives_a_killed_slot_and_worker \
 	tests/test_local_restore.py tests/test_stream.py tests/test_spark_units.py tests/test_spark_pipeline.py
 .PHONY: test-spark35
 test-spark35: build

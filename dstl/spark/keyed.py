@@ -517,8 +517,12 @@ def _arrow_output_schema(schema):
 
     if isinstance(schema, str):
         schema = struct_from_ddl(schema)
-    # TimestampType columns are instants (UTC in Arrow); PySpark 4.3 wants the zone named
-    return to_arrow_schema(schema, timezone="UTC")
+    # TimestampType columns are instants (UTC in Arrow); PySpark 4.3 wants the zone named, and
+    # PySpark 3.5's to_arrow_schema takes no zone (its timestamps are UTC already)
+    try:
+        return to_arrow_schema(schema, timezone="UTC")
+    except TypeError:
+        return to_arrow_schema(schema)
 
 
 def stateful_map_in_pandas_local(spark, pdf, fn: Callable, schema, *, key: str, checkpoint: CheckpointPlan,
