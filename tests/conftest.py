@@ -19,8 +19,13 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 SESSION_TMP = tempfile.mkdtemp(prefix="dstl-tests-")
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = None  # re-read TMPDIR
-# hsperfdata_<user> goes to /tmp whatever java.io.tmpdir says; the suite does not need it
-_JAVA_TMP = f"-Djava.io.tmpdir={SESSION_TMP} -XX:-UsePerfData"
+# hsperfdata_<user> goes to /tmp whatever java.io.tmpdir says; the suite does not need it.
+# Every JVM of the suite (the session's, each driver's, the clusters', the doc examples') is short-lived
+# and works on small data: the C1 compiler alone (no C2 compiler threads competing for the 2 cores)
+# halves a Spark driver's run on a loaded 2-core machine (a doc example: 88-97 s -> 42-46 s).
+# DSTL_TEST_JAVA_OPTS replaces it (e.g. DSTL_TEST_JAVA_OPTS= for the JVM's default tiers).
+_JAVA_JIT = os.environ.get("DSTL_TEST_JAVA_OPTS", "-XX:TieredStopAtLevel=1")
+_JAVA_TMP = f"-Djava.io.tmpdir={SESSION_TMP} -XX:-UsePerfData {_JAVA_JIT}".strip()
 os.environ["JAVA_TOOL_OPTIONS"] = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} {_JAVA_TMP}".strip()
 
 

@@ -57,10 +57,10 @@ def store(s3_server, tmp_path):
             pass
 
 
-def _driver(proxy, base, tmp_path, on_start=None, timeout=900):
+def _driver(proxy, base, tmp_path, on_start=None, timeout=900, conf=None):
     """Run tests/cluster_driver.py over the input batches written so far (those done already are
-    skipped by Spark's checkpoint) with the store behind `proxy`; `on_start(batch)` is called once
-    as each batch starts. Returns (exit code, seconds, log text)."""
+    skipped by Spark's checkpoint) with the store behind `proxy` and CONF updated with `conf`;
+    `on_start(batch)` is called once as each batch starts. Returns (exit code, seconds, log text)."""
     from cluster_util import read_progress
 
     inputs, ckpt, progress = (str(tmp_path / n) for n in ("input", "spark-checkpoint", "progress.jsonl"))
@@ -70,7 +70,7 @@ def _driver(proxy, base, tmp_path, on_start=None, timeout=900):
             "--checkpoint", ckpt, "--parallelism", "2", "--progress", progress]
     for opt in OPTIONS:
         argv += ["--option", opt]
-    for k, v in CONF.items():
+    for k, v in dict(CONF, **(conf or {})).items():
         argv += ["--conf", f"{k}={v}"]
     seen = {e["batch"] for e in read_progress(progress) if e["phase"] == "start"}
     log_path = progress + ".log"
@@ -94,6 +94,14 @@ def _driver(proxy, base, tmp_path, on_start=None, timeout=900):
         reap_group(proc.pid)
     with open(log_path, errors="replace") as f:
         return proc.returncode, time.monotonic() - t0, f.read()
+
+
+def _batch_seconds(tmp_path):
+    """Each completed batch's seconds (for the timing line a test writes to stderr)."""
+    from cluster_util import read_progress
+
+    return {e["batch"]: round(e["seconds"], 1) for e in read_progress(str(tmp_path / "progress.jsonl"))
+            if e["phase"] == "done"}
 
 
 def _write_inputs(tmp_path, batches, upto):
@@ -160,7 +168,8 @@ def test_stream_rides_through_throttling_resets_latency_and_lost_put_answers(sto
     assert code == 0, log[-4000:]
     _check_exact(base, batches)
     _nothing_to_collect(base, capsys)
-    sys.stderr.write(f"\nfaults ride-through: {seconds:.0f} s for 7 batches; proxy {final}\n")
+    sys.stderr.write(f"\nfaults ride-through: {seconds:.0f} s for 7 batches; proxy {final}; "
+                     f"batch seconds {_batch_seconds(tmp_path)}\n")
 
 
 def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exactly(store, tmp_path, capsys):
@@ -178,19 +187,25 @@ def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exact
             down_at["t"] = time.monotonic()
 
     _write_inputs(tmp_path, batches, 4)
-    code, _, log = _driver(proxy, base, tmp_path, on_start)
+    # two task attempts, not four: Spark's retry of the failed task takes part, and each further
+    # attempt would only wait out the same retries again (about 35 s each on a loaded machine)
+    retry_once = {"spark.master": "local[2,2]", "spark.task.maxFailures": "2"}
+    code, _, log = _driver(proxy, base, tmp_path, on_start, conf=retry_once)
     failed_after = time.monotonic() - down_at["t"]
     assert down_at and code != 0, log[-4000:]
     # no hang beyond the configured timeouts (docs/semantics.md: attempts x timeout per write, Spark's
     # task retries, botocore's own retries)
     assert failed_after < 300, failed_after
+    # the task failed, was retried, and the retry failed too
+    assert "failed 2 times" in log, log[-4000:]
     assert "StreamBatchError" in log or "Could not connect to the endpoint URL" in log, log[-4000:]
     proxy.set()  # the store is back
     code, _, log = _driver(proxy, base, tmp_path)
     assert code == 0, log[-4000:]
     _check_exact(base, batches)
     _nothing_to_collect(base, capsys)
-    sys.stderr.write(f"\nstore outage: the driver failed {failed_after:.0f} s after the store went away\n")
+    sys.stderr.write(f"\nstore outage: the driver failed {failed_after:.0f} s after the store went away; "
+                     f"batch seconds {_batch_seconds(tmp_path)}\n")
 
 
 def test_a_stream_batch_under_a_200_character_tmpdir_and_runtime_dir(tmp_path):

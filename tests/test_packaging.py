@@ -2,9 +2,11 @@
 
 * One version, written in `dstl/__init__.py`, is the distribution's (`pyspark-dstl`), `dstl.__version__`
   and what `dstl --version` prints.
-* The sdist and the wheel that `python -m build` makes from a clean copy of the checkout install into
-  fresh virtual environments (nothing of the checkout on the path) and pass a smoke check; the sdist
-  also where no C compiler exists, on the twins.
+* The sdist and the wheel that `python -m build --no-isolation` makes from a clean copy of the
+  checkout (as `make dist` does: the wheel from the sdist) install into fresh virtual environments
+  (nothing of the checkout on the path) and pass a smoke check: the wheel compiled, the sdist where
+  no C compiler exists, built in pip's isolated environment from pyproject.toml's requirements, on
+  the twins.
 * A folder named `dstl` beside the user's script (e.g. the state base path ./dstl) must not shadow
   the installed package: a real `pip install -e .` into a fresh virtual environment, then scripts run
   in a directory holding such a folder. An import-hook install (which a folder does shadow) fails at
@@ -282,18 +284,25 @@ def _kernels():
     return MODULES
 
 
-@heavy  # builds twice, compiles once, three fresh environments
+@heavy  # one build (sdist, then the wheel from it; one compile), two fresh environments
 @pytest.mark.timeout(2400)
 def test_sdist_and_wheel_from_a_clean_copy_install_in_fresh_environments(tmp_path):
     pytest.importorskip("build", reason="the test extra installs `build`")
+    import time
+
+    t0 = time.monotonic()
+    phases = []
     version = _version_in_source()
     src = _clean_copy(tmp_path / "src")
     dist = tmp_path / "dist"
-    # what a release runs: the sdist, then the wheel built from that sdist, each in an isolated
-    # environment made from pyproject.toml's build requirements
-    out = subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), src], capture_output=True,
-                         text=True, timeout=1500, env=_user_env(), cwd=str(tmp_path))
+    # what a release runs (`make dist`): the sdist, then the wheel built from that sdist, with this
+    # environment's build requirements (--no-isolation; `build` checks they satisfy pyproject.toml's).
+    # The isolated build from pyproject.toml's requirements is what `pip install <sdist>` does below.
+    out = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), src],
+                         capture_output=True, text=True, timeout=1500,
+                         env=_user_env(DSTL_REQUIRE_CYTHON="1"), cwd=str(tmp_path))
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-6000:]
+    phases.append(("build", time.monotonic() - t0))
     stem = f"pyspark_dstl-{version}"
     (sdist,) = glob.glob(str(dist / f"{stem}.tar.gz"))
     (wheel,) = glob.glob(str(dist / f"{stem}-*.whl"))
@@ -322,6 +331,7 @@ def test_sdist_and_wheel_from_a_clean_copy_install_in_fresh_environments(tmp_pat
     python = _fresh_venv(tmp_path / "wheel-env")
     _pip_install(python, wheel, _user_env(), str(work))
     _smoke(python, "cython", str(work), version)
+    phases.append(("wheel install", time.monotonic() - t0))
 
     # the sdist where no C compiler exists: CC fails, and the PATH holds no compiler either
     no_cc = tmp_path / "no-cc-bin"
@@ -330,5 +340,8 @@ def test_sdist_and_wheel_from_a_clean_copy_install_in_fresh_environments(tmp_pat
     env = _user_env(CC="false", CXX="false", PATH=str(no_cc))
     assert shutil.which("gcc", path=env["PATH"]) is None and shutil.which("cc", path=env["PATH"]) is None
     log = _pip_install(python, sdist, env, str(work))
+    assert "Installing build dependencies" in log, log[-6000:]  # isolated: pyproject.toml's requirements
     assert "installing without the compiled modules" in log, log[-6000:]
     _smoke(python, "python", str(work), version)
+    phases.append(("sdist install", time.monotonic() - t0))
+    sys.stderr.write("\npackaging: " + ", ".join(f"{what} done at {t:.0f} s" for what, t in phases) + "\n")
