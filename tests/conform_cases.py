@@ -46,6 +46,11 @@ CASES = [
     Case("timestamp_output", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
          [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
           [{"id": "a", "eventTime": _t(44)}]]),
+    # the same in a session time zone that is not the machine's (UTC): input timestamps and the naive
+    # datetimes a processor writes are local times of spark.sql.session.timeZone
+    Case("timestamp_output_tz", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
+         [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
+          [{"id": "a", "eventTime": _t(44)}]], conf={"spark.sql.session.timeZone": "America/Los_Angeles"}),
     Case("two_key_columns", TwoKeyTotals, TwoKeyTotals.OUTPUT, "id1 string, id2 bigint, temperature int",
          [[{"id1": "a", "id2": 1, "temperature": 10}, {"id1": "a", "id2": 2, "temperature": 20},
            {"id1": "b", "id2": 1, "temperature": 30}, {"id1": "a", "id2": 1, "temperature": 5}],

@@ -269,9 +269,10 @@ class TtlStates(StatefulProcessor):
 
 
 class FirstTimestamp(StatefulProcessor):
-    """Stateless: each key's first event time, as a timestamp column (what a chained operator reads)."""
+    """Stateless: each key's first event time, as a timestamp column (what a chained operator reads),
+    and a naive wall-clock time the processor builds itself (Spark takes it in the session time zone)."""
 
-    OUTPUT = "id string, outputTimestamp timestamp"
+    OUTPUT = "id string, outputTimestamp timestamp, wallClock timestamp"
 
     def __init__(self, use_pandas: bool):
         self.use_pandas = use_pandas
@@ -286,7 +287,10 @@ class FirstTimestamp(StatefulProcessor):
                 first = pdf["eventTime"].tolist()[0] if first is None else first
         else:
             first = [r.eventTime for r in rows][0]
-        return _emit([{"id": key[0], "outputTimestamp": first}], self.use_pandas)
+        import datetime as dt
+
+        return _emit([{"id": key[0], "outputTimestamp": first, "wallClock": dt.datetime(2026, 3, 29, 1, 30)}],
+                     self.use_pandas)
 
     def close(self) -> None:
         pass

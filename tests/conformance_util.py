@@ -37,6 +37,8 @@ class Case:
     initial_schema: Optional[str] = None
     flavours: Sequence[str] = ("pandas", "row")
     stream_options: Dict[str, Any] = field(default_factory=dict)
+    #: SQL confs set for both runs (e.g. a session time zone)
+    conf: Dict[str, str] = field(default_factory=dict)
 
 
 def _json_value(v):
@@ -178,8 +180,9 @@ def compare(spark, case: Case, flavour: str, work: str):
     directory = os.path.join(work, "input")
     if not os.path.isdir(directory):
         write_stream(directory, case.batches)
-    native_rows, stamps = run_native(spark, case, flavour, directory, work)
-    dstl_rows, stream = run_dstl(spark, case, flavour, directory, work, stamps)
+    with spark_conf(spark, dict(case.conf)):
+        native_rows, stamps = run_native(spark, case, flavour, directory, work)
+        dstl_rows, stream = run_dstl(spark, case, flavour, directory, work, stamps)
     columns = [c.strip().split()[0] for c in _top_level(case.output)]
     return per_batch(native_rows, columns), per_batch(dstl_rows, columns), stream
 

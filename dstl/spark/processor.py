@@ -88,8 +88,8 @@ class BatchContext:
     metrics: Dict[str, int] = field(default_factory=dict)
     #: "pandas" or "row" (see the module docstring)
     api: str = DEFAULT_API
-    #: row API only: the Spark StructTypes of the input rows and of the initial state (value
-    #: types), the session time zone (timestamps) and the output's Arrow schema
+    #: the session time zone (timestamps) and the output's Arrow schema; row API only: the Spark
+    #: StructTypes of the input rows and of the initial state (value types)
     input_schema: Any = None
     initial_schema: Any = None
     time_zone: Optional[str] = None
@@ -566,7 +566,7 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
         handle._key = None
         processor.close()
     if not row_api:
-        return out.result()
+        return session_timestamps(out.result(), ctx)
     t_handled = time.perf_counter()
     batch = out.to_batch()
     # where a Row API call's time goes (the task report's metrics; bench/streaming_report.py)
@@ -575,6 +575,27 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
     m["handlers_us"] = int((t_handled - t_rows) * 1e6)
     m["rows_out_us"] = int((time.perf_counter() - t_handled) * 1e6)
     return batch
+
+
+def session_timestamps(pdf, ctx: BatchContext):
+    """The pandas flavour's output as Spark takes it: a naive datetime64 value of a TimestampType
+    column is a local time of the session time zone (spark.sql.session.timeZone), an aware one is
+    its instant; both become UTC instants, which is what the output's Arrow schema holds.
+    TimestampNTZType columns (Arrow timestamps without a zone) stay as they are."""
+    if pdf is None or ctx.output_arrow_schema is None or not ctx.time_zone:
+        return pdf
+    import pandas as pd
+    import pyarrow as pa
+
+    for field in ctx.output_arrow_schema:
+        if not (pa.types.is_timestamp(field.type) and field.type.tz) or field.name not in pdf.columns:
+            continue
+        col = pdf[field.name]
+        if isinstance(col.dtype, pd.DatetimeTZDtype):
+            pdf[field.name] = col.dt.tz_convert("UTC")
+        elif pd.api.types.is_datetime64_dtype(col.dtype):
+            pdf[field.name] = col.dt.tz_localize(ctx.time_zone, ambiguous=False).dt.tz_convert("UTC")
+    return pdf
 
 
 def concat_frames(frames: List[Any]):
