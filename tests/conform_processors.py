@@ -382,3 +382,29 @@ class TwoKeyTotals(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+class TwoKeyTimers(StatefulProcessor):
+    """Grouped by two columns: a running count and a processing-time timer a minute after the
+    batch (tests/test_conformance_keys.py reads both back)."""
+
+    OUTPUT = "id1 string, id2 bigint, n long"
+
+    def __init__(self, use_pandas: bool):
+        self.use_pandas = use_pandas
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator:
+        n = (self.count.get()[0] if self.count.exists() else 0) + len(_rows(rows, self.use_pandas))
+        self.count.update((n,))
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + 60_000)
+        return _emit([{"id1": key[0], "id2": int(key[1]), "n": n}], self.use_pandas)
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator:
+        return iter([])
+
+    def close(self) -> None:
+        pass
