@@ -189,9 +189,13 @@ class ProcTimeTimers(StatefulProcessor):
         return _emit([{"id": key[0], "countAsString": str(n), "timeValues": str(now)}], self.use_pandas)
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator:
+        # the key's timers, listed twice: two iterators over them must agree
+        first, second = list(self.handle.listTimers()), list(self.handle.listTimers())
+        assert first == second, (first, second)
         self.count.clear()
         return _emit([{"id": key[0], "countAsString": "-1",
-                       "timeValues": str(expiredTimerInfo.getExpiryTimeInMs())}], self.use_pandas)
+                       "timeValues": f"{expiredTimerInfo.getExpiryTimeInMs()} timers={sorted(first)}"}],
+                     self.use_pandas)
 
     def close(self) -> None:
         pass

@@ -100,6 +100,9 @@ class BatchContext:
     #: several key columns (dstl.spark.keys): the key column holds packed keys, dropped from the
     #: rows, and the processor gets the unpacked tuple; None: one key column, key tuple (k,)
     key_columns: Optional[List[str]] = None
+    #: pandas flavour: a key's rows come in DataFrames of at most this many rows, as Spark's
+    #: spark.sql.execution.arrow.maxRecordsPerBatch cuts them (0 or less: one DataFrame)
+    max_records_per_batch: int = 10_000
 
     def timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -467,6 +470,22 @@ def _groups(rows, key_col: str):
         yield k, part
 
 
+def _chunks(part, cap: int):
+    """A key's rows as Spark's pandas flavour hands them over: DataFrames of at most `cap` rows
+    (spark.sql.execution.arrow.maxRecordsPerBatch), each with a fresh RangeIndex."""
+    import pandas as pd
+
+    n = len(part)
+    if cap <= 0 or n <= cap:
+        return iter([part])
+    out = []
+    for s in range(0, n, cap):
+        chunk = part.iloc[s:s + cap]
+        chunk.index = pd.RangeIndex(len(chunk))
+        out.append(chunk)
+    return iter(out)
+
+
 class _PandasOut:
     """What the handlers yield, pandas flavour: DataFrames, concatenated at the end."""
 
@@ -541,14 +560,16 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
                 extend(handle_rows(key_of(k) if composite else (k,), iter(part), tv), "handleInputRows")
         elif composite:
             t_rows = t_in
+            cap = ctx.max_records_per_batch
             for k, part in _groups(rows, key_col):
                 handle._key = k
-                extend(handle_rows(key_of(k), iter([part.drop(columns=[key_col])]), tv), "handleInputRows")
+                extend(handle_rows(key_of(k), _chunks(part.drop(columns=[key_col]), cap), tv), "handleInputRows")
         else:
             t_rows = t_in
+            cap = ctx.max_records_per_batch
             for k, part in _groups(rows, key_col):
                 handle._key = k
-                extend(handle_rows((k,), iter([part]), tv), "handleInputRows")
+                extend(handle_rows((k,), _chunks(part, cap), tv), "handleInputRows")
         fired = 0
         threshold = {"ProcessingTime": ctx.batch_timestamp_ms, "EventTime": ctx.watermark_ms}.get(ctx.time_mode)
         if threshold is not None:

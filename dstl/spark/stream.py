@@ -481,12 +481,14 @@ class StatefulStream:
         return self._output_struct
 
     def _row_context(self, ctx, spark, sdf, out_schema):
-        """The session time zone and the output's Arrow schema; the row API's input value types."""
+        """The session time zone, the output's Arrow schema and the pandas flavour's DataFrame size;
+        the row API's input value types."""
         from dstl.spark.keyed import _arrow_output_schema
 
         init_schema = getattr(self.initial_state, "schema", None)
         return dataclasses.replace(
             ctx, input_schema=sdf.schema, time_zone=spark.conf.get("spark.sql.session.timeZone", None),
+            max_records_per_batch=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
             initial_schema=init_schema if hasattr(init_schema, "fields") else None,
             output_arrow_schema=_arrow_output_schema(out_schema))
 
