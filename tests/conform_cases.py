@@ -92,7 +92,8 @@ CASES = [
           _records({"longlist/0": [{}], "longlist/1": [{}], "map/0": [{}], "nested/0": [{"temperature": 3}],
                     "cmds/0": [{"cmd": "value-get"}, {"cmd": "list-get"}]})],
          output_mode="Append"),
-    # TTL'd list and map state, processing-time sessions, a running count seeded by initial state
+    # TTL'd list and map state, processing-time sessions, a running count seeded by initial state; in
+    # Complete mode, which Spark's operator accepts and treats as Update (each batch's emitted rows)
     Case("proc_time_group", proc_time, PROC_TIME_OUTPUT, "id string, temperature int",
          [_records({"listttl/0": [{"temperature": 5}], "mapttl/0": [{}, {}], "session/0": [{"temperature": 1}],
                     "session/1": [{"temperature": 2}], "running/0": [{}, {}], "running/1": [{}]}),
@@ -101,7 +102,7 @@ CASES = [
           _records({"listttl/1": [{"temperature": 2}], "session/0": [{"temperature": 4}], "mapttl/1": [{}]})],
          time_mode="ProcessingTime", initial=[{"id": "running/0", "initial_count": 10},
                                               {"id": "running/9", "initial_count": 3}],
-         initial_schema="id string, initial_count int"),
+         initial_schema="id string, initial_count int", output_mode="Complete"),
     # a watermark on the input outside EventTime mode: no row is late ("a" at 2 s in batch 2)
     Case("min_event_time_none", MinEventTime, MinEventTime.OUTPUT, "id string, eventTime timestamp",
          MIN_EVENTS, event_time="eventTime", delay="10 seconds"),
