@@ -608,15 +608,21 @@ def session_timestamps(pdf, ctx: BatchContext):
     import pandas as pd
     import pyarrow as pa
 
+    out = pdf
     for field in ctx.output_arrow_schema:
         if not (pa.types.is_timestamp(field.type) and field.type.tz) or field.name not in pdf.columns:
             continue
         col = pdf[field.name]
         if isinstance(col.dtype, pd.DatetimeTZDtype):
-            pdf[field.name] = col.dt.tz_convert("UTC")
+            col = col.dt.tz_convert("UTC")
         elif pd.api.types.is_datetime64_dtype(col.dtype):
-            pdf[field.name] = col.dt.tz_localize(ctx.time_zone, ambiguous=False).dt.tz_convert("UTC")
-    return pdf
+            col = col.dt.tz_localize(ctx.time_zone, ambiguous=False).dt.tz_convert("UTC")
+        else:
+            continue
+        if out is pdf:  # the processor's own DataFrame stays as it yielded it
+            out = pdf.copy(deep=False)
+        out[field.name] = col
+    return out
 
 
 def concat_frames(frames: List[Any]):
