@@ -53,11 +53,9 @@ CASES = [
          initial_schema="id string, initVal int"),
     Case("ttl_states", TtlStates, TtlStates.OUTPUT, "id string, temperature int", TEMPS + TEMPS,
          time_mode="ProcessingTime"),
-    Case("timestamp_output", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
-         [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
-          [{"id": "a", "eventTime": _t(44)}]]),
-    # the same in a session time zone that is not the machine's (UTC): input timestamps and the naive
-    # datetimes a processor writes are local times of spark.sql.session.timeZone
+    # timestamp output columns (what Spark's chaining test reads), in a session time zone that is not
+    # the machine's (UTC): input timestamps and the naive datetimes a pandas processor writes are local
+    # times of spark.sql.session.timeZone (a Row processor's, of the Python process's zone, as in Spark)
     Case("timestamp_output_tz", FirstTimestamp, FirstTimestamp.OUTPUT, "id string, eventTime timestamp",
          [[{"id": "a", "eventTime": _t(20)}, {"id": "b", "eventTime": _t(30)}],
           [{"id": "a", "eventTime": _t(44)}]], conf={"spark.sql.session.timeZone": "America/Los_Angeles"}),
