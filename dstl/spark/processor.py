@@ -9,8 +9,8 @@ the micro-batch's timestamp. A state call goes straight to the backend (no batch
 
 A processor comes in one of two flavours, the same class either way (`BatchContext.api`):
 
-* ``"pandas"`` (transformWithStateInPandas): per key, ``handleInputRows`` gets an iterator of one
-  pandas DataFrame and yields DataFrames; ``handleInitialState`` gets a DataFrame per key;
+* ``"pandas"`` (transformWithStateInPandas): per key, ``handleInputRows`` gets an iterator of
+  pandas DataFrames of at most spark.sql.execution.arrow.maxRecordsPerBatch rows and yields DataFrames; ``handleInitialState`` gets a DataFrame per key;
 * ``"row"`` (PySpark 4.1+'s transformWithState): per key, an iterator of `pyspark.sql.Row`, and it
   yields Rows; ``handleInitialState`` is called once per initial-state Row. No pandas object is
   built per key: the subtask's Rows are built column-wise and the output Rows become one Arrow
