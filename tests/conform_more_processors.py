@@ -1,8 +1,8 @@
 """More StatefulProcessors for tests/test_conformance.py, one for each processor of Spark's own
 transformWithState test helper that tests/conform_processors.py does not answer (list and map
 state operations, long lists, large values, nested values, composite outputs, top-k, word counts,
-every state method, session timers, running counts with an initial state, a watermark without
-event-time mode, pandas chunking, schema evolution). Written here, for both flavours
+every state method, non-nullable fields, session timers, running counts with an initial state, a
+watermark without event-time mode, pandas chunking, schema evolution). Written here, for both flavours
 (`use_pandas`), never copied.
 
 `Multiplex` runs several of them in one query, so one stream (two streaming queries per flavour)
@@ -146,6 +146,20 @@ class MissingValue(_Base):
         self.never.clear()
         return _emit([{"id": key[0], "n": n, "detail": seen + f" after-clear={self.never.exists()}"}],
                      self.use_pandas)
+
+
+class NotNullFields(_Base):
+    """(BasicProcessorNotNullable) A value state whose fields are declared non-nullable. Spark
+    accepts it with its default state encoding (its Avro encoding refuses it, a failure path)."""
+
+    def init(self, handle) -> None:
+        self.s = handle.getValueState("s", StructType([StructField("id", IntegerType(), False),
+                                                       StructField("name", StringType(), False)]))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator:
+        n = len(_rows(rows, self.use_pandas)) + (self.s.get()[0] if self.s.exists() else 0)
+        self.s.update((n, f"name-{n}"))
+        return _emit([{"id": key[0], "n": n, "detail": repr(tuple(self.s.get()))}], self.use_pandas)
 
 
 class ListOps(_Base):
@@ -456,7 +470,8 @@ def state_api(use_pandas: bool) -> Multiplex:
     p = use_pandas
     return Multiplex({"missing": MissingValue(p), "list": ListOps(p), "longlist": LongList(p), "map": MapOps(p),
                       "large": LargeValues(p), "topk": TopK(p), "words": WordCounts(p), "cmds": Commands(p),
-                      "nested": NestedShapes(p), "out": CompositeOutput(p)}, STATE_API_OUTPUT, p)
+                      "nested": NestedShapes(p), "out": CompositeOutput(p), "notnull": NotNullFields(p)},
+                     STATE_API_OUTPUT, p)
 
 
 # ------------------------------------------------------------------ processing time: TTL, sessions, initial state
