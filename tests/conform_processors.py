@@ -189,9 +189,13 @@ class ProcTimeTimers(StatefulProcessor):
         return _emit([{"id": key[0], "countAsString": str(n), "timeValues": str(now)}], self.use_pandas)
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator:
+        # the key's timers, listed twice: two iterators over them must agree
+        first, second = list(self.handle.listTimers()), list(self.handle.listTimers())
+        assert first == second, (first, second)
         self.count.clear()
         return _emit([{"id": key[0], "countAsString": "-1",
-                       "timeValues": str(expiredTimerInfo.getExpiryTimeInMs())}], self.use_pandas)
+                       "timeValues": f"{expiredTimerInfo.getExpiryTimeInMs()} timers={sorted(first)}"}],
+                     self.use_pandas)
 
     def close(self) -> None:
         pass
@@ -269,9 +273,10 @@ class TtlStates(StatefulProcessor):
 
 
 class FirstTimestamp(StatefulProcessor):
-    """Stateless: each key's first event time, as a timestamp column (what a chained operator reads)."""
+    """Stateless: each key's first event time, as a timestamp column (what a chained operator reads),
+    and a naive wall-clock time the processor builds itself (Spark takes it in the session time zone)."""
 
-    OUTPUT = "id string, outputTimestamp timestamp"
+    OUTPUT = "id string, outputTimestamp timestamp, wallClock timestamp"
 
     def __init__(self, use_pandas: bool):
         self.use_pandas = use_pandas
@@ -286,7 +291,10 @@ class FirstTimestamp(StatefulProcessor):
                 first = pdf["eventTime"].tolist()[0] if first is None else first
         else:
             first = [r.eventTime for r in rows][0]
-        return _emit([{"id": key[0], "outputTimestamp": first}], self.use_pandas)
+        import datetime as dt
+
+        return _emit([{"id": key[0], "outputTimestamp": first, "wallClock": dt.datetime(2026, 3, 29, 1, 30)}],
+                     self.use_pandas)
 
     def close(self) -> None:
         pass
@@ -375,6 +383,32 @@ class TwoKeyTotals(StatefulProcessor):
         total = (self.value.get()[0] if self.value.exists() else 0) + sum(int(r.temperature) for r in rows)
         self.value.update((total,))
         return _emit([{"id1": key[0], "id2": int(key[1]), "value": str(total)}], self.use_pandas)
+
+    def close(self) -> None:
+        pass
+
+
+class TwoKeyTimers(StatefulProcessor):
+    """Grouped by two columns: a running count and a processing-time timer a minute after the
+    batch (tests/test_conformance_keys.py reads both back)."""
+
+    OUTPUT = "id1 string, id2 bigint, n long"
+
+    def __init__(self, use_pandas: bool):
+        self.use_pandas = use_pandas
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", "n long")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator:
+        n = (self.count.get()[0] if self.count.exists() else 0) + len(_rows(rows, self.use_pandas))
+        self.count.update((n,))
+        self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + 60_000)
+        return _emit([{"id1": key[0], "id2": int(key[1]), "n": n}], self.use_pandas)
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator:
+        return iter([])
 
     def close(self) -> None:
         pass

@@ -14,8 +14,7 @@ from conftest import heavy
 pytestmark = [pytest.mark.spark, heavy]
 
 
-@pytest.mark.parametrize("flavour", ["pandas", "row"])
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case,flavour", [pytest.param(c, f, id=f"{c.name}-{f}") for c in CASES for f in c.flavours])
 def test_same_rows_as_spark(spark, tmp_path, case, flavour):
     native, ours, _ = compare(spark, case, flavour, str(tmp_path))
     assert native, f"{case.name}: the native run produced no output at all"

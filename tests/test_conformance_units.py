@@ -239,3 +239,50 @@ def test_composite_keys_pack_deterministically_and_spread_over_key_groups():
     groups = assign_key_groups(pd.Series(keys, dtype=object), 128)
     assert (assign_key_groups(pd.Series(keys, dtype=object), 128) == groups).all()
     assert len(set(groups.tolist())) > 100
+
+
+# --- pandas flavour: session time zone and DataFrames per key ---------------------------------------
+
+def test_naive_output_timestamps_are_session_local_as_spark_takes_them():
+    from pyspark.sql.types import StringType, StructField, StructType, TimestampNTZType, TimestampType
+
+    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.processor import BatchContext, session_timestamps
+
+    schema = StructType([StructField("id", StringType()), StructField("t", TimestampType()),
+                         StructField("z", TimestampType()), StructField("n", TimestampNTZType())])
+    ctx = BatchContext(0, 0, output_arrow_schema=_arrow_output_schema(schema), time_zone="America/Los_Angeles")
+    pdf = pd.DataFrame({"id": ["a"], "t": [pd.Timestamp("2026-03-29 01:30")],
+                        "z": [pd.Timestamp("2026-03-29 01:30", tz="Europe/Oslo")],
+                        "n": [pd.Timestamp("2026-03-29 01:30")]})
+    out = session_timestamps(pdf, ctx)
+    assert out["t"][0] == pd.Timestamp("2026-03-29 08:30", tz="UTC")   # PDT is UTC-7
+    assert out["z"][0] == pd.Timestamp("2026-03-29 00:30", tz="UTC")   # an aware value keeps its instant (CET)
+    assert out["n"][0] == pd.Timestamp("2026-03-29 01:30")              # TimestampNTZ: as written
+    # without a session time zone (a context built by hand) nothing changes
+    plain = pd.DataFrame({"t": [pd.Timestamp("2026-03-29 01:30")]})
+    assert session_timestamps(plain, BatchContext(0, 0))["t"][0] == pd.Timestamp("2026-03-29 01:30")
+
+
+@pytest.mark.parametrize("cap,sizes", [(2, [2, 2, 1]), (5, [5]), (10_000, [5]), (0, [5]), (-1, [5])])
+def test_a_keys_rows_come_in_dataframes_of_max_records_per_batch(storage, cap, sizes):
+    from dstl.spark.processor import BatchContext, make_task_fn
+
+    class Chunks(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            frames = list(rows)
+            assert all(list(f.index) == list(range(len(f))) for f in frames)
+            yield pd.DataFrame({"id": [key[0]], "sizes": [",".join(str(len(f)) for f in frames)],
+                                "v": [",".join(str(v) for f in frames for v in f["v"])]})
+
+        def close(self):
+            pass
+
+    ctx = BatchContext(1_000, 0, max_records_per_batch=cap)
+    out = make_task_fn(Chunks(), "id", ctx)(pd.DataFrame({"id": ["a"] * 5 + ["b"], "v": range(6)}),
+                                            _backend(storage))
+    got = dict(zip(out["id"], zip(out["sizes"], out["v"])))
+    assert got == {"a": (",".join(map(str, sizes)), "0,1,2,3,4"), "b": ("1", "5")}

@@ -9,8 +9,8 @@ the micro-batch's timestamp. A state call goes straight to the backend (no batch
 
 A processor comes in one of two flavours, the same class either way (`BatchContext.api`):
 
-* ``"pandas"`` (transformWithStateInPandas): per key, ``handleInputRows`` gets an iterator of one
-  pandas DataFrame and yields DataFrames; ``handleInitialState`` gets a DataFrame per key;
+* ``"pandas"`` (transformWithStateInPandas): per key, ``handleInputRows`` gets an iterator of
+  pandas DataFrames of at most spark.sql.execution.arrow.maxRecordsPerBatch rows and yields DataFrames; ``handleInitialState`` gets a DataFrame per key;
 * ``"row"`` (PySpark 4.1+'s transformWithState): per key, an iterator of `pyspark.sql.Row`, and it
   yields Rows; ``handleInitialState`` is called once per initial-state Row. No pandas object is
   built per key: the subtask's Rows are built column-wise and the output Rows become one Arrow
@@ -88,8 +88,8 @@ class BatchContext:
     metrics: Dict[str, int] = field(default_factory=dict)
     #: "pandas" or "row" (see the module docstring)
     api: str = DEFAULT_API
-    #: row API only: the Spark StructTypes of the input rows and of the initial state (value
-    #: types), the session time zone (timestamps) and the output's Arrow schema
+    #: the session time zone (timestamps) and the output's Arrow schema; row API only: the Spark
+    #: StructTypes of the input rows and of the initial state (value types)
     input_schema: Any = None
     initial_schema: Any = None
     time_zone: Optional[str] = None
@@ -100,6 +100,9 @@ class BatchContext:
     #: several key columns (dstl.spark.keys): the key column holds packed keys, dropped from the
     #: rows, and the processor gets the unpacked tuple; None: one key column, key tuple (k,)
     key_columns: Optional[List[str]] = None
+    #: pandas flavour: a key's rows come in DataFrames of at most this many rows, as Spark's
+    #: spark.sql.execution.arrow.maxRecordsPerBatch cuts them (0 or less: one DataFrame)
+    max_records_per_batch: int = 10_000
 
     def timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -467,6 +470,22 @@ def _groups(rows, key_col: str):
         yield k, part
 
 
+def _chunks(part, cap: int):
+    """A key's rows as Spark's pandas flavour hands them over: DataFrames of at most `cap` rows
+    (spark.sql.execution.arrow.maxRecordsPerBatch), each with a fresh RangeIndex."""
+    import pandas as pd
+
+    n = len(part)
+    if cap <= 0 or n <= cap:
+        return iter([part])
+    out = []
+    for s in range(0, n, cap):
+        chunk = part.iloc[s:s + cap]
+        chunk.index = pd.RangeIndex(len(chunk))
+        out.append(chunk)
+    return iter(out)
+
+
 class _PandasOut:
     """What the handlers yield, pandas flavour: DataFrames, concatenated at the end."""
 
@@ -541,14 +560,16 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
                 extend(handle_rows(key_of(k) if composite else (k,), iter(part), tv), "handleInputRows")
         elif composite:
             t_rows = t_in
+            cap = ctx.max_records_per_batch
             for k, part in _groups(rows, key_col):
                 handle._key = k
-                extend(handle_rows(key_of(k), iter([part.drop(columns=[key_col])]), tv), "handleInputRows")
+                extend(handle_rows(key_of(k), _chunks(part.drop(columns=[key_col]), cap), tv), "handleInputRows")
         else:
             t_rows = t_in
+            cap = ctx.max_records_per_batch
             for k, part in _groups(rows, key_col):
                 handle._key = k
-                extend(handle_rows((k,), iter([part]), tv), "handleInputRows")
+                extend(handle_rows((k,), _chunks(part, cap), tv), "handleInputRows")
         fired = 0
         threshold = {"ProcessingTime": ctx.batch_timestamp_ms, "EventTime": ctx.watermark_ms}.get(ctx.time_mode)
         if threshold is not None:
@@ -566,7 +587,7 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
         handle._key = None
         processor.close()
     if not row_api:
-        return out.result()
+        return session_timestamps(out.result(), ctx)
     t_handled = time.perf_counter()
     batch = out.to_batch()
     # where a Row API call's time goes (the task report's metrics; bench/streaming_report.py)
@@ -575,6 +596,33 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
     m["handlers_us"] = int((t_handled - t_rows) * 1e6)
     m["rows_out_us"] = int((time.perf_counter() - t_handled) * 1e6)
     return batch
+
+
+def session_timestamps(pdf, ctx: BatchContext):
+    """The pandas flavour's output as Spark takes it: a naive datetime64 value of a TimestampType
+    column is a local time of the session time zone (spark.sql.session.timeZone), an aware one is
+    its instant; both become UTC instants, which is what the output's Arrow schema holds.
+    TimestampNTZType columns (Arrow timestamps without a zone) stay as they are."""
+    if pdf is None or ctx.output_arrow_schema is None or not ctx.time_zone:
+        return pdf
+    import pandas as pd
+    import pyarrow as pa
+
+    out = pdf
+    for field in ctx.output_arrow_schema:
+        if not (pa.types.is_timestamp(field.type) and field.type.tz) or field.name not in pdf.columns:
+            continue
+        col = pdf[field.name]
+        if isinstance(col.dtype, pd.DatetimeTZDtype):
+            col = col.dt.tz_convert("UTC")
+        elif pd.api.types.is_datetime64_dtype(col.dtype):
+            col = col.dt.tz_localize(ctx.time_zone, ambiguous=False).dt.tz_convert("UTC")
+        else:
+            continue
+        if out is pdf:  # the processor's own DataFrame stays as it yielded it
+            out = pdf.copy(deep=False)
+        out[field.name] = col
+    return out
 
 
 def concat_frames(frames: List[Any]):

@@ -168,6 +168,11 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
     meta = open_checkpoint(base_path, to_checkpoint, storage_options=storage_options)
     _, key_type = first_look(meta, storage_options, options)
     ensure_importable_on_workers(spark)
+    from dstl.spark.keys import job_key_columns
+
+    composite = job_key_columns(base_path, storage_options) is not None
+    if composite:  # several key columns: the key shown as its values, a JSON list, as read_state does
+        key_type = str
     schema = _schema(key_type, CHANGE_COLUMNS)
     if not work:
         return spark.createDataFrame([], schema)
@@ -179,6 +184,11 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
                 rows = list(change_rows(base_path, cid, hb, entries, storage_options=storage_options,
                                         serializers=serializers, options=options))
                 if rows:
-                    yield pd.DataFrame(rows, columns=CHANGE_COLUMNS)
+                    df = pd.DataFrame(rows, columns=CHANGE_COLUMNS)
+                    if composite:
+                        from dstl.spark.keys import display_key
+
+                        df["key"] = df["key"].map(display_key)
+                    yield df
 
     return spark.range(0, len(work), 1, len(work)).mapInPandas(task, schema)

@@ -406,8 +406,7 @@ class StatefulStream:
         ctx = BatchContext(batch_ts, marks.eviction_ms, self.time_mode, api=self.api,
                            late_watermark_ms=marks.late_ms,
                            key_columns=self.keys if len(self.keys) > 1 else None)
-        if self.api == "row":
-            ctx = self._row_context(ctx, spark, sdf, out_schema)
+        ctx = self._row_context(ctx, spark, sdf, out_schema)  # the pandas flavour needs the time zone too
         initial = self._initial_by_subtask(maxp) if latest is None else None
         fn = make_task_fn(self.processor, self.key, ctx, initial,
                           event_cols=et_cols,
@@ -484,12 +483,14 @@ class StatefulStream:
         return self._output_struct
 
     def _row_context(self, ctx, spark, sdf, out_schema):
-        """The row API's extras: input value types, the session time zone, the output's Arrow schema."""
+        """The session time zone, the output's Arrow schema and the pandas flavour's DataFrame size;
+        the row API's input value types."""
         from dstl.spark.keyed import _arrow_output_schema
 
         init_schema = getattr(self.initial_state, "schema", None)
         return dataclasses.replace(
             ctx, input_schema=sdf.schema, time_zone=spark.conf.get("spark.sql.session.timeZone", None),
+            max_records_per_batch=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
             initial_schema=init_schema if hasattr(init_schema, "fields") else None,
             output_arrow_schema=_arrow_output_schema(out_schema))
 

@@ -334,6 +334,7 @@ def read_state_pandas(base_path: str, state_name: Optional[str] = None, *, check
 
     meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
     kw = {"serializers": serializers, "storage_options": storage_options, "options": options}
+    key, show = _composite_keys(base_path, storage_options, key)
     ranges = _ranges_for(meta, key)
     schema = state_schema(meta, state_name)
     rows: List[Tuple] = []
@@ -346,7 +347,7 @@ def read_state_pandas(base_path: str, state_name: Optional[str] = None, *, check
                         if key is None or r[0] == key)
     _check_state(state_name, names, base_path, meta.checkpoint_id)
     df = pd.DataFrame(rows, columns=STATE_COLUMNS)
-    df = df.astype({"key_group": "int64", "position": "Int64"})
+    df = _show_keys(df.astype({"key_group": "int64", "position": "Int64"}), show)
     if schema is not None:
         df = expand_values(df, *schema)
     return df
@@ -369,6 +370,7 @@ def read_timers_pandas(base_path: str, *, checkpoint_id: Optional[int] = None, k
     import pandas as pd
 
     meta = open_checkpoint(base_path, checkpoint_id, storage_options=kw.get("storage_options"))
+    key, show = _composite_keys(base_path, kw.get("storage_options"), key)
     ranges = _ranges_for(meta, key)
     rows = []
     for rng in ranges:
@@ -377,9 +379,10 @@ def read_timers_pandas(base_path: str, *, checkpoint_id: Optional[int] = None, k
             if TIMER_STATE in backend.state_names:
                 rows.extend((r[0], r[1], r[4]) for r in state_rows(backend, TIMER_STATE, encode=None)
                             if key is None or r[0] == key)
-    return pd.DataFrame(sorted(rows, key=lambda r: (r[2], repr(r[0]))),
-                        columns=["key", "key_group", "timestamp_ms"]).astype({"key_group": "int64",
-                                                                              "timestamp_ms": "int64"})
+    return _show_keys(pd.DataFrame(sorted(rows, key=lambda r: (r[2], repr(r[0]))),
+                                   columns=["key", "key_group", "timestamp_ms"]).astype({"key_group": "int64",
+                                                                                         "timestamp_ms": "int64"}),
+                      show)
 
 
 def _ranges_for(meta, key: Any) -> List[KeyGroupRange]:
@@ -389,6 +392,30 @@ def _ranges_for(meta, key: Any) -> List[KeyGroupRange]:
         kg = assign_to_key_group(key, meta.max_parallelism)
         return [KeyGroupRange(kg, kg)]
     return [s.key_group_range for s in meta.subtasks if not s.key_group_range.is_empty()]
+
+
+def _composite_keys(base_path: str, storage_options: Optional[Dict[str, Any]], key: Any):
+    """For a StatefulStream job with several key columns (dstl.spark.keys): (the stored form of
+    `key`, the function that shows a stored key as its values, a JSON list such as `["ann", 7]`), as
+    `read_state` and `dstl state show` show them. `key` may be given as that JSON text or as a
+    tuple/list of the values. Any other job: (key, None)."""
+    try:
+        from dstl.spark.keys import display_key, job_key_columns, pack_key, parse_display_key
+    except ImportError:  # pragma: no cover - dstl.spark needs pyspark; a plain backend has single keys
+        return key, None
+    if job_key_columns(base_path, storage_options) is None:
+        return key, None
+    if isinstance(key, str):
+        key = parse_display_key(key)
+    elif isinstance(key, (tuple, list)):
+        key = pack_key(list(key))
+    return key, display_key
+
+
+def _show_keys(df, show):
+    if show is not None and len(df):
+        df["key"] = df["key"].map(show)
+    return df
 
 
 # ------------------------------------------------------------------ changes between checkpoints
@@ -510,6 +537,7 @@ def read_changes_pandas(base_path: str, from_checkpoint: int, to_checkpoint: int
     key group, as a pandas DataFrame (CHANGE_COLUMNS)."""
     import pandas as pd
 
+    key, show = _composite_keys(base_path, storage_options, key)
     rows: List[Tuple] = []
     for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint,
                                         storage_options=storage_options):
@@ -518,4 +546,5 @@ def read_changes_pandas(base_path: str, from_checkpoint: int, to_checkpoint: int
                                  serializers=serializers, options=options):
                 if (key is None or r[1] == key) and (state_name is None or r[3] == state_name):
                     rows.append(r)
-    return pd.DataFrame(rows, columns=CHANGE_COLUMNS).astype({"checkpoint_id": "int64", "key_group": "int64"})
+    return _show_keys(pd.DataFrame(rows, columns=CHANGE_COLUMNS).astype({"checkpoint_id": "int64",
+                                                                         "key_group": "int64"}), show)
