@@ -83,7 +83,8 @@ clean:
 VENV35 ?= .venv-spark35
 PY35 := $(VENV35)/bin/python
 SPARK35_TESTS ?= tests/test_spark_placement.py::test_local_mode_keeps_every_subtask_warm_in_its_slot_and_survives_a_killed_slot_and_worker \
-	tests/test_local_restore.py tests/test_stream.py tests/test_spark_units.py tests/test_spark_pipeline.py
+	tests/test_local_restore.py tests/test_stream.py tests/test_spark_units.py tests/test_spark_pipeline.py \
+	tests/test_spark_routing.py tests/test_slots.py
 .PHONY: test-spark35
 test-spark35: build
 	test -x $(PY35) || $(PYTHON) -m venv $(VENV35)
