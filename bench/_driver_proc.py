@@ -35,6 +35,16 @@ def rss_mb(pid: int) -> float:
     return round(proc_kb(pid, "VmRSS") / 1024, 1)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/<pid>/stat); 0.0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:

@@ -50,7 +50,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(ROOT, "tests"))
 
-from _driver_proc import driver_session, loadavg, peak_mb, rss_mb, run_child, stop_slots  # noqa: E402
+from _driver_proc import cpu_s, driver_session, loadavg, peak_mb, rss_mb, run_child, stop_slots  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 START_TARGET_MS = 50.0
@@ -85,12 +85,17 @@ def child_grid(a) -> dict:
     out = {"keys": a.keys, "events": a.events, "parallelism": a.parallelism, "batches": [], "error": None}
     with tempfile.TemporaryDirectory(prefix="dstl-scale-grid-") as base:
         stream = StatefulStream(base, user_totals_fn, OUTPUT, key="user", parallelism=a.parallelism)
+        known: List[int] = []  # the slots of the previous batch (a warm subtask keeps its slot)
         try:
             for b in range(a.batches):
+                cpu0 = {p: cpu_s(p) for p in known}
                 t0 = time.perf_counter()
                 res = stream.run(batch_df(spark, b, a.events, a.keys, 0))
                 wall = time.perf_counter() - t0
                 pids = sorted({r.pid for r in res.reports})
+                # the slots' CPU seconds in this batch (None for a slot new in it): load-independent work
+                slot_cpu = [round(cpu_s(r.pid) - cpu0[r.pid], 2) if r.pid in cpu0 else None for r in res.reports]
+                known = pids
                 slot_rss = sum(rss_mb(p) for p in pids)
                 held = min(a.keys, (b + 1) * a.events)
                 out["batches"].append({
@@ -106,7 +111,7 @@ def child_grid(a) -> dict:
                     "pids": [r.pid for r in res.reports], "executors": [r.executor for r in res.reports],
                     "phases_ms": {k: round(v, 1) for k, v in res.phases_ms.items()},
                     "checkpoint_ms": round(res.checkpoint_ms, 1),
-                    "keys_held": held, "slot_rss_mb": round(slot_rss, 1),
+                    "slot_cpu_s": slot_cpu, "keys_held": held, "slot_rss_mb": round(slot_rss, 1),
                     "slot_rss_per_key_b": round(slot_rss * 2**20 / held, 1),
                     "driver_jvm_peak_mb": peak_mb(jvm), "driver_jvm_rss_mb": rss_mb(jvm),
                     "driver_python_peak_mb": peak_mb(os.getpid()), "load": loadavg()})
@@ -377,6 +382,7 @@ def summarize_grid_run(r: dict) -> None:
         "start_ms_p90": _p(starts, 0.9),
         "hop_ms_max_median": statistics.median(max(b["hop_ms"]) for b in later),
         "process_ms_max_median": statistics.median(max(b["process_ms"]) for b in later),
+        "slot_cpu_s_per_batch": [sum(c for c in b.get("slot_cpu_s") or [] if c is not None) or None for b in bs],
         "driver_jvm_peak_mb": r.get("driver_jvm_peak_mb"), "driver_python_peak_mb": r.get("driver_python_peak_mb"),
         "slot_rss_mb_last": bs[-1]["slot_rss_mb"], "slot_rss_per_key_b_last": bs[-1]["slot_rss_per_key_b"],
         "keys_held_last": bs[-1]["keys_held"],
