@@ -61,7 +61,10 @@ FULL = {
     "grid_p": [2, 4], "grid_batches": 8,
     "engines": {"keys": 1_000_000, "events": 400_000, "parallelism": 4,
                 "batches": {"native-pandas": 2, "native-row": 3, "dstl-row": 8, "dstl-fn": 8}},
-    "bigbatch": {"rows": 3_000_000, "keys": 1_000_000, "payload": 256, "parallelism": 4, "driver_memory": "2g"},
+    # local[2]: the executor is in the driver JVM; local-cluster: the driver JVM is the driver alone
+    "bigbatch": {"rows": 3_000_000, "keys": 1_000_000, "payload": 256, "parallelism": 4, "driver_memory": "2g",
+                 "runs": [["local[2]", "dstl"], ["local[2]", "shuffle-agg"], ["local[2]", "shuffle-write"],
+                          ["local-cluster[1,2,2048]", "dstl"], ["local-cluster[1,2,2048]", "shuffle-agg"]]},
     "catchup": {"keys": [100_000, 1_000_000], "changes": [100_000, 400_000]},
 }
 SMOKE = {
@@ -69,7 +72,9 @@ SMOKE = {
     "grid_p": [2, 4], "grid_batches": 3,
     "engines": {"keys": 20_000, "events": 10_000, "parallelism": 4,
                 "batches": {"native-pandas": 2, "native-row": 2, "dstl-row": 3, "dstl-fn": 3}},
-    "bigbatch": {"rows": 100_000, "keys": 20_000, "payload": 256, "parallelism": 4, "driver_memory": "2g"},
+    "bigbatch": {"rows": 100_000, "keys": 20_000, "payload": 256, "parallelism": 4, "driver_memory": "2g",
+                 "runs": [["local[2]", "dstl"], ["local[2]", "shuffle-agg"], ["local[2]", "shuffle-write"],
+                          ["local-cluster[1,2,2048]", "dstl"], ["local-cluster[1,2,2048]", "shuffle-agg"]]},
     "catchup": {"keys": [20_000], "changes": [5_000]},
 }
 
@@ -219,8 +224,9 @@ def child_bigbatch(a) -> dict:
 
     from route_driver import batch_df
 
-    spark, jvm = driver_session("local[2]", f"dstl-scale-bigbatch-{a.mode}", a.driver_memory)
-    out = {"mode": a.mode, "rows": a.events, "error": None}
+    conf = [("spark.executor.memory", "1536m")] if a.master.startswith("local-cluster") else []
+    spark, jvm = driver_session(a.master, f"dstl-scale-bigbatch-{a.mode}", a.driver_memory, conf)
+    out = {"mode": a.mode, "master": a.master, "rows": a.events, "error": None}
     with tempfile.TemporaryDirectory(prefix="dstl-scale-big-") as base:
         df = batch_df(spark, 0, a.events, a.keys, a.payload)
         t0 = time.perf_counter()
@@ -241,6 +247,8 @@ def child_bigbatch(a) -> dict:
                                pids=[r.pid for r in res.reports])
                 finally:
                     stream.close()
+            elif a.mode == "shuffle-write":  # every row and column through one shuffle, as dstl's route
+                df.repartition(a.parallelism, "user").write.parquet(os.path.join(base, "rows"))
             else:
                 agg = df.groupBy("user").agg(F.count(F.lit(1)).alias("events"), F.sum("value").alias("value_sum"))
                 agg.write.parquet(os.path.join(base, "agg"))
@@ -429,14 +437,15 @@ def part_engines(cfg, out_dir) -> dict:
 def part_bigbatch(cfg, out_dir) -> dict:
     bb = cfg["bigbatch"]
     out = {"config": bb}
-    for mode in ("dstl", "shuffle-agg"):
-        print(f"bigbatch: {mode}, {bb['rows']:,} rows", flush=True)
-        r = _child("bigbatch", ["--mode", mode, "--events", str(bb["rows"]), "--keys", str(bb["keys"]),
-                                "--payload", str(bb["payload"]), "--parallelism", str(bb["parallelism"]),
-                                "--driver-memory", bb["driver_memory"]], out_dir, 3600)
+    for master, mode in bb.get("runs", [("local[2]", "dstl"), ("local[2]", "shuffle-agg")]):
+        print(f"bigbatch: {mode} on {master}, {bb['rows']:,} rows", flush=True)
+        r = _child("bigbatch", ["--mode", mode, "--master", master, "--events", str(bb["rows"]),
+                                "--keys", str(bb["keys"]), "--payload", str(bb["payload"]),
+                                "--parallelism", str(bb["parallelism"]), "--driver-memory", bb["driver_memory"]],
+                   out_dir, 3600)
         r["slots_stopped_by_bench"] = stop_slots(r.get("pids", []))
         print("  " + json.dumps(r), flush=True)
-        out[mode] = r
+        out[mode if master == "local[2]" else f"{mode}@{master}"] = r
     return out
 
 
@@ -503,7 +512,7 @@ def chart(report: dict, path: str) -> None:
 
     bb = report.get("parts", {}).get("bigbatch", {})
     ax = axes[1, 1]
-    modes = [m for m in ("dstl", "shuffle-agg") if m in bb]
+    modes = [m for m in bb if m != "config" and isinstance(bb[m], dict)]
     if modes:
         jvm = [bb[m].get("driver_jvm_peak_mb", 0) for m in modes]
         py = [bb[m].get("driver_python_peak_mb", 0) for m in modes]
@@ -511,8 +520,8 @@ def chart(report: dict, path: str) -> None:
         ax.bar([i - 0.2 for i in x], jvm, 0.4, label="driver JVM peak", color="#1f77b4")
         ax.bar([i + 0.2 for i in x], py, 0.4, label="driver Python peak", color="#aec7e8")
         ax.set_xticks(list(x))
-        ax.set_xticklabels([f"{m}\n{bb[m].get('seconds', 0):.0f} s" + (" FAILED" if bb[m].get("error") else "")
-                            for m in modes], fontsize=8)
+        ax.set_xticklabels([f"{m.replace('@', chr(10))}\n{bb[m].get('seconds', 0):.0f} s"
+                            + (" FAILED" if bb[m].get("error") else "") for m in modes], fontsize=6)
         for i, v in enumerate(jvm):
             ax.text(i - 0.2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{bb['config']['rows'] / 1e6:g}M-row micro-batch, 2 GB driver: peak RSS (MB)", fontsize=9)
@@ -557,6 +566,10 @@ def main(argv: List[str]) -> int:
         ap.add_argument(k, type=int, help=argparse.SUPPRESS)
     for k in ("--driver-memory", "--mode", "--plan"):
         ap.add_argument(k, help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
+    ap.add_argument("--bigbatch-runs", help='JSON list of [master, mode]: overrides part 3\'s runs')
+    ap.add_argument("--grid-batches", type=int, help="overrides the grid's batches per run")
+    ap.add_argument("--grid-only", help="KEYS[,KEYS]: run only these key counts of the grid")
     ap.add_argument("--payload", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -570,6 +583,13 @@ def main(argv: List[str]) -> int:
     import dstl
 
     cfg = json.loads(json.dumps(SMOKE if a.smoke else FULL))
+    if a.bigbatch_runs:
+        cfg["bigbatch"]["runs"] = json.loads(a.bigbatch_runs)
+    if a.grid_batches:
+        cfg["grid_batches"] = a.grid_batches
+    if a.grid_only:
+        only = {int(k) for k in a.grid_only.split(",")}
+        cfg["grid"] = [g for g in cfg["grid"] if g[0] in only]
     if a.engines_events:
         cfg["engines"]["events"] = a.engines_events
     if a.engines_batches:
@@ -582,11 +602,14 @@ def main(argv: List[str]) -> int:
                         "commit": _commit()},
               "load": {}, "parts": {}}
     target = os.path.join(a.out, name + ".json")
+    earlier_bigbatch = None
     if a.merge and os.path.exists(target):  # another invocation ran the other parts: keep them
         with open(target) as f:
             old = json.load(f)
         report["load"] = {k: v for k, v in old.get("load", {}).items() if k not in parts}
         report["parts"] = {k: v for k, v in old.get("parts", {}).items() if k not in parts}
+        if "bigbatch" in parts and "bigbatch" in old.get("parts", {}):
+            earlier_bigbatch = old["parts"]["bigbatch"]  # runs of other (master, mode) pairs are kept
         report["setup"]["earlier_invocations"] = old["setup"].get("earlier_invocations", []) + [
             {k: old["setup"].get(k) for k in ("parts", "when", "commit", "elapsed_min")}]
     t0 = time.time()
@@ -595,6 +618,8 @@ def main(argv: List[str]) -> int:
         t = time.time()
         try:
             report["parts"][p] = PARTS[p](cfg, a.out)
+            if p == "bigbatch" and earlier_bigbatch:
+                report["parts"][p] = {**earlier_bigbatch, **report["parts"][p]}
         except Exception as exc:  # noqa: BLE001 - keep the other parts
             import traceback
 
@@ -651,8 +676,9 @@ def print_tables(report: dict) -> None:
             print(f"{g['engine']} vs {g['vs']}: {g['ratio']}x (goal {g['goal']:g}x: {'met' if g['met'] else 'MISSED'})")
     if "bigbatch" in parts:
         print()
-        for m in ("dstl", "shuffle-agg"):
-            r = parts["bigbatch"].get(m, {})
+        for m, r in parts["bigbatch"].items():
+            if m == "config" or not isinstance(r, dict):
+                continue
             print(f"{m}: {r.get('seconds')} s, driver JVM peak {r.get('driver_jvm_peak_mb')} MB, "
                   f"Python {r.get('driver_python_peak_mb')} MB, error {r.get('error')}")
     if "catchup" in parts:
