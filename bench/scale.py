@@ -13,7 +13,8 @@ own); the load average is recorded before and after every part. Four parts:
    P = 2 and 4, 8 batches, a 2 GB driver. Per batch: wall time of `run`, subtasks restored and
    continued, the start (`TaskReport.start_ms`: taking the state, confirming, pruning; max over
    subtasks) and the hop (rows from the worker to the slot, `hop_ms`), peak RSS (VmHWM) of the driver
-   JVM and the driver's Python, and the slots' RSS (VmRSS of the reports' pids, summed) per key held.
+   JVM and the driver's Python, the slots' RSS (VmRSS of the reports' pids, summed) per key held, and
+   each slot's CPU seconds in the batch (/proc/<pid>/stat; load-independent work).
 2. **engines**: one driver, one JSON file stream per engine with the same files (make_batches:
    E events over K users a batch, K = 1M, E = 400k), P = 4 (`spark.sql.shuffle.partitions` for
    Spark): Spark's `transformWithState` (RowUserTotals) and `transformWithStateInPandas` (UserTotals)
@@ -23,9 +24,11 @@ own); the load average is recorded before and after every part. Four parts:
    progress's `triggerExecution`; medians over batches 1..; every engine's output is checked
    against pandas.
 3. **bigbatch**: one micro-batch of 3,000,000 rows with 256-character payloads, generated on the
-   executors, on `local[2]` with `spark.driver.memory=2g`: through `StatefulStream.run` (P = 4, the
-   shuffle route) and through a plain shuffle aggregation (`groupBy(user).agg(count, sum)` written
-   to parquet), each in its own driver: time and driver JVM / Python peak RSS.
+   executors, with `spark.driver.memory=2g`: through `StatefulStream.run` (P = 4, the shuffle route),
+   through a plain shuffle aggregation (`groupBy(user).agg(count, sum)` written to parquet) and
+   through a plain shuffle of every row (`repartition(P, user)` to parquet), each in its own driver,
+   on `local[2]` (the executor inside the driver JVM) and on `local-cluster[1,2,2048]` (the driver
+   JVM alone): time and driver JVM / Python peak RSS.
 4. **catchup** (no Spark): what a per-worker copy would replay to catch up. A KeyedStateBackend on a
    local directory holds N keys (materialized, checkpoint 1), then one batch updates C of them
    (checkpoint 2). Timed: a full restore of checkpoint 2, and replaying only checkpoint 2's new
