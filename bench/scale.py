@@ -339,7 +339,7 @@ def child_catchup(a) -> dict:
 def _child(kind: str, args: List[str], out_dir: str, timeout: float) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json", prefix=f"scale-{kind}-")
     os.close(fd)
-    log = os.path.join(out_dir, "scale-logs", f"{kind}.log")
+    log = os.path.join(tempfile.gettempdir(), "dstl-scale-logs", f"{kind}.log")  # outside the checkout
     os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "a") as f:
         f.write(f"\n=== {kind} {' '.join(args)} ({time.strftime('%H:%M:%S')})\n")
