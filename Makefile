@@ -61,10 +61,14 @@ bench-flink: build
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
 	$(PY) bench/flink/run.py
 
-# How a micro-batch reaches its subtasks: the shuffle route beside the broadcast route, each in its
-# own driver (batch time, restores, driver JVM and Python peak RSS; docs/spark.md, "Placement").
+# ~45-60 min on 2 cores, outside `make test`: StatefulStream at 100k-4M keys (batch time, start ms,
+# warm subtasks, driver and slot RSS), beside Spark's native state, a 740 MB batch on a 2 GB driver,
+# and the catch-up a per-worker copy would replay (docs/benchmarks.md, "Scale"). SCALE_ARGS=--smoke:
+# small sizes; SCALE_ARGS="--parts grid" one part.
+SCALE_ARGS ?=
 bench-scale: build
-	$(PY) bench/scale_route.py --json bench/results/scale_route.json
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
+	$(PY) bench/scale.py $(SCALE_ARGS)
 
 # ~20+ min on 2 cores, outside `make test`: a long StatefulStream with SIGKILLs, sampled and charted
 # (docs/benchmarks.md, "Soak"). SOAK_ARGS=--smoke for a quick check.

@@ -24,35 +24,22 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 
-
-def _peak_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+from _driver_proc import child_env, driver_session, loadavg, peak_mb  # noqa: E402
 
 
 def one_route(a) -> dict:
     """Run in the child: one route, every batch; returns the figures."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from pyspark.sql import SparkSession
-
     import processors
     from dstl.spark import StatefulStream, routing
     from route_driver import batch_df
 
     if a.route == routing.BROADCAST:
         routing.choose_route = lambda batch, route=None: routing.BROADCAST
-    spark = (SparkSession.builder.master(a.master).appName(f"dstl-scale-{a.route}")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", a.driver_memory)
-             .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    jvm_pid = spark.sparkContext._gateway.proc.pid
+    spark, jvm_pid = driver_session(a.master, f"dstl-scale-{a.route}", a.driver_memory)
     out = {"route": a.route, "seconds": [], "restored": [], "error": None}
     with tempfile.TemporaryDirectory(prefix="dstl-scale-") as base:
         stream = StatefulStream(base, processors.count_fn, processors.COUNT_OUTPUT, key="user",
@@ -67,8 +54,8 @@ def one_route(a) -> dict:
             out["error"] = str(exc).strip().splitlines()[0][:300]
         finally:
             stream.close()
-    out["driver_jvm_peak_mb"] = round(_peak_kb(jvm_pid) / 1024, 1)
-    out["driver_python_peak_mb"] = round(_peak_kb(os.getpid()) / 1024, 1)
+    out["driver_jvm_peak_mb"] = peak_mb(jvm_pid)
+    out["driver_python_peak_mb"] = peak_mb(os.getpid())
     spark.stop()
     return out
 
@@ -96,9 +83,7 @@ def main(argv) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             child_out = tmp.name
         args = [a2 for a2 in argv if a2 != "--json" and a2 != a.json] + ["--route", route, "--child-out", child_out]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-                   SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-        subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, check=True,
+        subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=child_env(), check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(child_out) as f:
             r = json.load(f)
@@ -107,8 +92,7 @@ def main(argv) -> int:
         r["median_s"] = round(statistics.median(later), 3) if later else None
         results.append(r)
         print(json.dumps(r), flush=True)
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[:3]
+    load = loadavg().split()
     summary = {"config": {k: getattr(a, k) for k in ("master", "parallelism", "rows", "keys", "payload",
                                                     "batches", "driver_memory")},
                "load": load, "routes": results}
