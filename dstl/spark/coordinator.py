@@ -35,11 +35,11 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from dstl.spark import faults
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
 from dstl.spark.placement import log_batch
+from dstl.state.composite_keys import JOB_FILE  # noqa: F401 - the job file, named below this layer
 from dstl.state.relpaths import relative_to, resolve
 
 log = logging.getLogger(__name__)
 
-JOB_FILE = "_dstl_job.json"
 #: committed output of batch N: <output>/batch-NNNNNN/ (the pipeline); StatefulStream uses
 #: "batch_id={batch}", a partition column Spark reads back
 DEFAULT_OUTPUT_LAYOUT = "batch-{batch:06d}"

@@ -395,14 +395,12 @@ def _ranges_for(meta, key: Any) -> List[KeyGroupRange]:
 
 
 def _composite_keys(base_path: str, storage_options: Optional[Dict[str, Any]], key: Any):
-    """For a StatefulStream job with several key columns (dstl.spark.keys): (the stored form of
+    """For a StatefulStream job with several key columns (dstl.state.composite_keys): (the stored form of
     `key`, the function that shows a stored key as its values, a JSON list such as `["ann", 7]`), as
     `read_state` and `dstl state show` show them. `key` may be given as that JSON text or as a
     tuple/list of the values. Any other job: (key, None)."""
-    try:
-        from dstl.spark.keys import display_key, job_key_columns, pack_key, parse_display_key
-    except ImportError:  # pragma: no cover - dstl.spark needs pyspark; a plain backend has single keys
-        return key, None
+    from dstl.state.composite_keys import display_key, job_key_columns, pack_key, parse_display_key
+
     if job_key_columns(base_path, storage_options) is None:
         return key, None
     if isinstance(key, str):
