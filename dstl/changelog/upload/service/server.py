@@ -301,6 +301,7 @@ class UploadService:
         except FileNotFoundError:
             pass
         self.listener = Listener(self.paths.socket, family="AF_UNIX", authkey=self.paths.authkey())
+        _keep_socket_file(self.listener)
         with open(self.paths.pid_file + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {self.instance}\n")
         os.replace(self.paths.pid_file + ".tmp", self.paths.pid_file)
@@ -734,6 +735,16 @@ class _ClientNotices(logging.Handler):
         except Exception:  # a log handler must never raise
             pass
 
+def _keep_socket_file(listener) -> None:
+    """multiprocessing unlinks a Unix listener's path when the listener closes and at exit. After
+    a temp cleaner removed this service's directory, that path may be a fresh service's socket: the
+    service removes its socket itself, and only while the path is still its own."""
+    inner = getattr(listener, "_listener", None)
+    unlink = getattr(inner, "_unlink", None)
+    if unlink is not None:
+        unlink.cancel()
+        inner._unlink = None
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -764,3 +775,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
