@@ -98,17 +98,9 @@ def run_child(script: str, args: List[str], timeout: float, log: Optional[str] =
 
 def _reap_group(pgid: int) -> None:
     """The driver's JVM exits once its Python parent is gone; wait for it, then make sure."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    from dstl.tools.stream_demo import reap_group
+
+    reap_group(pgid)
 
 
 def stop_slots(pids: Iterable[int], wait_s: float = 15.0) -> List[int]:
