@@ -600,6 +600,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.keys, args.events_per_batch, args.materialize_every = 10, 20_000, 500, 4_000
+    def stop(signum, _frame):  # SIGTERM, or SIGINT where a background shell ignores it: clean up first
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     return Run(args).run()
 
 
