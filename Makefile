@@ -77,6 +77,15 @@ soak: build
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
 	$(PY) bench/soak.py --results bench/results $(SOAK_ARGS)
 
+# ~20+ min on 2 cores, outside `make test`: a local-cluster StatefulStream over 1M keys with its state on
+# moto's S3 behind tests/s3proxy.py (10% throttled), 3 executor kills, a driver kill, a 60 s store
+# outage (docs/benchmarks.md, "Soak at scale"). SOAK_SCALE_ARGS=--smoke for a quick check.
+SOAK_SCALE_ARGS ?=
+.PHONY: soak-scale
+soak-scale: build
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.5"
+	$(PY) bench/soak_scale.py --results bench/results $(SOAK_SCALE_ARGS)
+
 clean:
 	rm -rf build dist dstl/_fast/*.c dstl/_fast/*.so
 

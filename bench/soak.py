@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 INPUT_DDL = "user string, amount long"
 OUTPUT_DDL = "user string, events long, total long"
@@ -129,55 +130,8 @@ def driver(base: str, input_dir: str, ckpt: str, progress: str, materialize_ever
 
 # ------------------------------------------------------------------ processes and samples
 
-def _children(pid: int) -> List[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = []
-        try:  # every thread's children: the JVM starts processes from other threads than its main one
-            for t in os.listdir(f"/proc/{p}/task"):
-                try:
-                    with open(f"/proc/{p}/task/{t}/children") as f:
-                        kids += [int(x) for x in f.read().split()]
-                except OSError:
-                    pass
-        except OSError:
-            pass
-        kids = [k for k in dict.fromkeys(kids) if k not in out]  # a pid listed twice is counted once
-        out += kids
-        todo += kids
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _rss_mb(pids: List[int]) -> float:
-    total = 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
-
-
-def _fds(pids: List[int]) -> int:
-    n = 0
-    for p in pids:
-        try:
-            n += len(os.listdir(f"/proc/{p}/fd"))
-        except OSError:
-            pass
-    return n
+from _soak_common import children as _children, cmdline as _cmdline, fds as _fds, kill_group as _kill_group  # noqa: E402
+from _soak_common import rss_mb as _rss_mb  # noqa: E402
 
 
 class Tree:
@@ -257,17 +211,6 @@ def _start_driver(base, inputs, ckpt, progress, log_path, env, materialize_every
     extra = [str(materialize_every)] if materialize_every else []
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--driver", base, inputs, ckpt, progress,
                              *extra], env=env, stdout=log, stderr=log, start_new_session=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    from dstl.tools.stream_demo import reap_group
-
-    reap_group(proc.pid)
 
 
 def schedule(batches: int, smoke: bool) -> Dict[int, str]:
