@@ -8,7 +8,7 @@ a grouping key. A row with a null in any key column has a null key.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 from dstl.state.composite_keys import (display_key, job_key_columns, pack_columns, pack_key,  # noqa: F401
                                        parse_display_key, unpack_key)
