@@ -11,6 +11,8 @@ otherwise. Keys, each optional:
 * ``"reset_rate": 0.1``: that share of requests has its connection reset (RST) without an answer;
 * ``"latency_s": 2``: every request waits that long before it is forwarded;
 * ``"down": true``: the store is gone: every request's connection is reset at once;
+* ``"down_from_put": "text"``: as ``down``, from the first PUT whose path contains that text ("" for
+  any PUT) on, that PUT included: an outage that starts at a known step rather than at a time;
 * ``"lose_put_answers": N``: the next N PUTs (counted from when the faults were last set) reach the store and succeed there, but their answers are
   lost (the client's connection is reset after the store answered); with ``"lose_match": "text"``
   only PUTs whose path contains that text count.
@@ -51,6 +53,7 @@ class _Faults:
         self.spec: dict = {}
         self.rng = random.Random(0)
         self.lost_in_spec = 0  # answers lost since the faults last changed
+        self.tripped = False  # down_from_put has seen its PUT since the faults last changed
         self.stats = {"requests": 0, "forwarded": 0, "errors": 0, "resets": 0, "lost_put_answers": 0,
                       "down_resets": 0}
 
@@ -74,6 +77,7 @@ class _Faults:
                     self.rng = random.Random(spec.get("seed", 0))
                 self.spec = spec
                 self.lost_in_spec = 0
+                self.tripped = False
             return dict(self.spec)
 
     def decide(self, method: str, path: str = "") -> str:
@@ -81,7 +85,12 @@ class _Faults:
         spec = self.current()
         with self.lock:
             self.stats["requests"] += 1
-            if spec.get("down"):
+            trip = spec.get("down_from_put")
+            if trip is not None and not self.tripped and method == "PUT" and trip in path:
+                self.tripped = True
+                with open(self.control + ".log", "a") as f:
+                    f.write(f"DOWN from PUT {path}\n")
+            if spec.get("down") or self.tripped:
                 self.stats["down_resets"] += 1
                 return "down"
             if method == "PUT" and self._lost_left(spec) > 0 and spec.get("lose_match", "") in path:

@@ -181,9 +181,8 @@ def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exact
     down_at = {}
 
     def on_start(b):
-        if b == 2:
-            time.sleep(1.0)  # into the batch: its tasks run
-            proxy.set(down=True)
+        if b == 2:  # the store goes away under batch 2's first upload, from a task
+            proxy.set(down_from_put="")
             down_at["t"] = time.monotonic()
 
     _write_inputs(tmp_path, batches, 4)
@@ -196,6 +195,9 @@ def test_store_outage_mid_batch_fails_once_clearly_and_the_restart_resumes_exact
     # no hang beyond the configured timeouts (docs/semantics.md: attempts x timeout per write, Spark's
     # task retries, botocore's own retries)
     assert failed_after < 300, failed_after
+    with open(proxy.control + ".log") as f:
+        tripped = [line for line in f if line.startswith("DOWN from PUT")]
+    assert len(tripped) == 1 and "/_staging/batch-000002/" in tripped[0], tripped  # a task's write
     # the task failed, was retried, and the retry failed too
     assert "failed 2 times" in log, log[-4000:]
     assert "StreamBatchError" in log or "Could not connect to the endpoint URL" in log, log[-4000:]
