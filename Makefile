@@ -28,8 +28,9 @@ MARK ?= not heavy
 test: build
 	$(MAKE) test-cython test-pure
 
+# the slowest tests are listed at the end of each half: the tier's time budget (docs/contributing.md)
 test-all: build
-	$(MAKE) test-cython test-pure MARK=
+	$(MAKE) test-cython test-pure MARK= PYTEST_ARGS="--durations=25 $(PYTEST_ARGS)"
 
 test-cython:
 	$(PY) -m pytest -q -p no:cacheprovider $(if $(MARK),-m "$(MARK)") $(PYTEST_ARGS) tests

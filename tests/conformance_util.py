@@ -161,27 +161,56 @@ def run_dstl(spark, case: Case, flavour: str, directory: str, work: str, stamps:
         # keeps the source's withWatermark, which a foreachBatch leaves without effect
         source = source.withWatermark(case.event_time, case.delay)
     base = os.path.join(work, f"dstl-{flavour}")
+    if LEAN:
+        # the rows a processor produces do not depend on where its state lives or how its changes
+        # are uploaded (the stream, placement and slot tests run the defaults): no upload service
+        # and no slot processes to start for each of these short queries
+        opts.setdefault("options", {"upload.mode": "thread"})
     stream = StatefulStream(base, case.factory(flavour == "pandas"), case.output,
                             key=keys[0] if len(keys) == 1 else keys, parallelism=2,
                             time_mode=case.time_mode, api=flavour, initial_state=_initial(spark, case),
                             clock=clock, **opts)
-    for attempt in range(3):
+    with _Env({"DSTL_SPARK_SLOTS": "off"} if LEAN else {}):
+        for attempt in range(3):
+            try:
+                q = (source.writeStream.foreachBatch(stream)
+                     .option("checkpointLocation", os.path.join(work, f"dck-{flavour}"))
+                     .trigger(availableNow=True).start())
+                break
+            except Exception as exc:  # noqa: BLE001
+                # under Connect the server's foreachBatch process must connect back within Spark's
+                # fixed 10 s; nothing has run when it does not: start again
+                if "failed to connect back" not in str(exc) or attempt == 2:
+                    stream.close()
+                    raise
         try:
-            q = (source.writeStream.foreachBatch(stream)
-                 .option("checkpointLocation", os.path.join(work, f"dck-{flavour}"))
-                 .trigger(availableNow=True).start())
-            break
-        except Exception as exc:  # noqa: BLE001
-            # under Connect the server's foreachBatch process must connect back within Spark's
-            # fixed 10 s; nothing has run when it does not: start again
-            if "failed to connect back" not in str(exc) or attempt == 2:
-                raise
-    try:
-        q.awaitTermination()
-    finally:
-        q.stop()
-        stream.close()
+            q.awaitTermination()
+        finally:
+            q.stop()
+            stream.close()
     return (spark.read.parquet(os.path.join(base, "output")).collect() if collect else []), stream
+
+
+class _Env:
+    """Environment variables set for a while (forwarded to the tasks by dstl.spark.session)."""
+
+    def __init__(self, values: Dict[str, str]):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: thread-mode uploads and tasks in the Python workers for the dstl side (DSTL_CONFORMANCE_LEAN=0: the defaults)
+LEAN = os.environ.get("DSTL_CONFORMANCE_LEAN", "1") != "0"
 
 
 def compare(spark, case: Case, flavour: str, work: str):

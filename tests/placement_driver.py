@@ -47,7 +47,7 @@ def main(argv) -> int:
     try:
         for i in range(a.first_batch, a.batches):
             res = stream.run(spark.createDataFrame(batches[i], EVENTS_SCHEMA))
-            out.append({"batch": res.batch_id, "seconds": res.seconds, "phases_ms": res.phases_ms,
+            out.append({"batch": res.batch_id, "route": res.route, "seconds": res.seconds, "phases_ms": res.phases_ms,
                         "placement": res.stats.placement,
                         "reports": [{k: getattr(r, k) for k in (
                             "subtask", "attempt", "executor", "pid", "continued", "restored", "restore_ms",

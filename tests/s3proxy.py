@@ -19,7 +19,7 @@ otherwise. Keys, each optional:
 
 Decisions are random with ``"seed"`` (default 0). Counters go to ``<control>.stats`` (JSON, rewritten
 after every request): requests, forwarded, errors, resets, lost_put_answers, down_resets; one line per
-request (method, path, range, what was done) to ``<control>.log``.
+request (time, method, path, range, what was done) to ``<control>.log``.
 Tests start it as a separate process and stop it by PID (`ProxyProcess`).
 """
 from __future__ import annotations
@@ -161,7 +161,8 @@ def _handler(upstream: str, faults: _Faults):
         def _handle(self) -> None:
             body = self._body()
             action = faults.decide(self.command, self.path)
-            faults.note(f"{self.command} {self.path} {self.headers.get('Range', '')} len={len(body)} -> {action}")
+            faults.note(f"{time.time():.3f} {self.command} {self.path} {self.headers.get('Range', '')} "
+                        f"len={len(body)} -> {action}")
             try:
                 latency = float(faults.current().get("latency_s", 0.0))
                 if latency and action != "down":

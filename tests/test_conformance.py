@@ -2,6 +2,8 @@
 (transformWithStateInPandas / transformWithState) and on dstl (foreachBatch(StatefulStream)) over
 the same JSON file stream, in both flavours, and every micro-batch's output must be the same
 multiset of rows (tests/conformance_util.py). Heavy: two streaming queries per case and flavour.
+The dstl side uploads in thread mode and runs its tasks in the Python workers (no service and no
+slot processes to start for each short query; DSTL_CONFORMANCE_LEAN=0 runs the defaults).
 """
 from __future__ import annotations
 

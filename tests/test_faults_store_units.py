@@ -78,3 +78,54 @@ def test_an_atomic_create_whose_answer_was_lost_is_ours_and_another_writers_is_n
     assert fs.cat_file(f"{root}/chk-1/_metadata") == b"mine"
     with pytest.raises(FileExistsError):
         dfs.create_file(fs, f"{root}/chk-1/_metadata", b"someone else's")
+
+
+def _requests(proxy) -> list:
+    import os
+
+    path = proxy.control + ".log"
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.split()[1:3] for line in f if line[:1].isdigit()]
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["once", "redone after a crash"])
+def test_output_commit_takes_a_listing_a_copy_per_file_and_one_delete(proxied, cut_short):
+    """The driver waits for each request of a batch's output commit in turn, so it counts them:
+    P staged files cost 2P + a few requests on S3 (a move per file took 6P + 3). A commit cut short
+    after some files is redone to the same output."""
+    import types
+
+    import fsspec
+
+    from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
+
+    proxy, bucket = proxied
+    base = f"{bucket}/commit"
+    coord = CheckpointCoordinator.open(base, JobSpec.new("op", 8, base + "/output"), {"upload.mode": "thread"},
+                                       resume=False, output_layout="batch_id={batch}")
+    fs = fsspec.filesystem("s3")
+    p = 8
+    files = []
+    for i in range(p):
+        staged = f"{base}/output/_staging/batch-000003/part-{i:05d}-tok.parquet"
+        fs.pipe_file(staged, b"rows of subtask %d" % i)
+        files.append((staged, f"{base}/output/batch_id=3/part-{i:05d}.parquet"))
+    meta = types.SimpleNamespace(checkpoint_id=4, properties={"batch": 3, "output": {"batch": 3, "files": files}})
+    if cut_short:  # a crash after the first copies: two files in place, their staged copies still there
+        for staged, final in files[:2]:
+            fs.copy(staged, final)
+    before = len(_requests(proxy))
+    assert coord.commit_output(meta)
+    made = _requests(proxy)[before:]
+    fs.invalidate_cache()
+    assert sorted(fs.ls(f"{base}/output/batch_id=3", detail=False)) == sorted(
+        [f[1][len("s3://"):] for f in files] + [f"{base[len('s3://'):]}/output/batch_id=3/_SUCCESS"])
+    for i, (_, final) in enumerate(files):
+        assert fs.cat_file(final) == b"rows of subtask %d" % i
+    assert not fs.exists(f"{base}/output/_staging/batch-000003")
+    copies = [r for r in made if r[0] == "PUT" and "/batch_id%3D3/part-" in r[1]]
+    assert len(copies) == p, made
+    assert len(made) <= 2 * p + 8, [" ".join(r) for r in made]
+    assert not coord.commit_output(meta)  # done: _SUCCESS is there

@@ -135,7 +135,7 @@ def test_spark_shuffle_routing_verifies(spark, tmp_path):
     assert (tmp_path / "job" / "_dstl_failures" / "batch-000001").exists()
 
 
-@heavy_twins
+@heavy  # input parsing and driver logic: the same under both builds
 def test_input_csv_with_string_keys(spark, tmp_path):
     """--input: a CSV with string user ids and datetime timestamps, cut into batches in file order."""
     import numpy as np
@@ -154,7 +154,7 @@ def test_input_csv_with_string_keys(spark, tmp_path):
     assert out["user_id"].str.startswith("user-").all()
 
 
-@heavy_twins
+@heavy  # input parsing and driver logic: the same under both builds
 def test_input_parquet_with_int_keys(spark, tmp_path):
     """--input: a parquet file (the other format issue 6 names), int user ids, epoch-second timestamps."""
     import numpy as np
@@ -315,7 +315,7 @@ def test_local_cluster_against_s3(s3_bucket, tmp_path):
     assert fs.exists(f"{root}/checkpoints/chk-3/_metadata")
 
 
-@heavy_twins
+@heavy  # driver logic: the same under both builds
 def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     """Tasks of batch 1 succeed but the driver never completes checkpoint 2 (e.g. its metadata write
     failed). Re-running batch 1 must not continue the workers' backends, which already hold batch 1:

@@ -15,7 +15,7 @@ import pandas as pd
 from conftest import heavy
 from dstl import cli
 from driver_util import run_driver
-from eventlog_util import batch_stages, overlapping, successful
+from eventlog_util import batch_plan_nodes, batch_stages, overlapping, successful
 from streaming_util import make_batches, normalize, read_output, reference_counts
 
 pytestmark = heavy
@@ -113,8 +113,8 @@ def test_local_mode_keeps_every_subtask_warm_in_its_slot_and_survives_a_killed_s
 
 
 def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_is_lost(tmp_path):
-    """local-cluster[2,1,1024]: two executor JVMs with one core each. P=2 for 8 batches, the executor
-    of subtask 0 SIGKILLed half-way through batch 3. (The rescale to P=4 on a cluster, and its warm
+    """local-cluster[2,1,1024]: two executor JVMs with one core each. P=2 for 8 batches of rows from
+    a Spark DataFrame (the shuffle route), the executor of subtask 0 SIGKILLed half-way through batch 3. (The rescale to P=4 on a cluster, and its warm
     rate, are tests/test_cluster.py's.)"""
     base = str(tmp_path / "job")
     marker = str(tmp_path / "fired")
@@ -126,6 +126,16 @@ def test_local_cluster_subtasks_stay_on_their_executors_and_move_once_when_one_i
     first, stages1, out1 = _drive(tmp_path, "p2", cluster, 2, 8, base, conf=wait,
                                   faults=f"task.mid_batch@3/0=kill-executor:once={marker}")
     _check_stages(first, stages1, 2)
+    # the rows were shuffled to their subtasks, never broadcast, and until the kill every task ran
+    # PROCESS_LOCAL: where its subtask's anchor block is cached
+    plans = batch_plan_nodes(str(tmp_path / "events-p2"))
+    for r in first:
+        nodes = plans[r["batch"]]
+        assert r["route"] == "shuffle" and nodes, (r["batch"], r.get("route"))
+        assert not [x for x in nodes if "Broadcast" in x], (r["batch"], sorted(set(nodes)))
+        assert "SortMergeJoin" in nodes and any(x.startswith("Exchange") for x in nodes), sorted(set(nodes))
+    for b in range(3):
+        assert all(x.locality == "PROCESS_LOCAL" for x in successful(stages1[b]).values()), stages1[b]
     execs = [[rep["executor"] for rep in r["reports"]] for r in first]
     # both executors work at once: subtasks 0 and 1 on different executors, overlapping in time
     assert all(len(set(e)) == 2 for e in execs[:3]), execs

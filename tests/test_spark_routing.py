@@ -4,7 +4,7 @@ the driver; only a small pandas batch the driver holds is broadcast. The Spark s
 Spark's own records (event log: plans, tasks, locality), not dstl's reports alone.
 
 The local-mode scenario is the fast tier's check of the route and of warm state (Cython build
-only); the local-cluster one is heavy.
+only); on a local-cluster, tests/test_spark_placement.py checks the same records with two executors.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import heavy
 from driver_util import run_driver
 from eventlog_util import batch_plan_nodes, batch_stages, successful
 from streaming_util import read_output
@@ -140,18 +139,3 @@ def test_local_mode_shuffles_big_batches_and_keeps_every_subtask_warm(tmp_path):
     # the Python workers that ran the tasks are not the processes that hold the state: 2 workers, 4 slots
     assert len({rep["pid"] for rep in later}) == 4
     _check_output(base, 8, growing=True)
-
-
-@heavy
-def test_local_cluster_shuffled_batches_keep_each_subtask_on_its_executor(tmp_path):
-    """local-cluster[2,1,1024]: two executor JVMs with one core each (one Python worker each), P=2
-    for 4 batches: subtask i runs PROCESS_LOCAL on the same executor every batch and continues its
-    state from memory after the first."""
-    got, base, eventlog = _drive(tmp_path, "cluster", "local-cluster[2,1,1024]", 2, 4,
-                                 ["spark.locality.wait=30s"])
-    _check_records(got, eventlog, 2)
-    execs = [[rep["executor"] for rep in sorted(b["reports"], key=lambda r: r["subtask"])] for b in got["batches"]]
-    assert len(set(execs[0])) == 2 and all(e == execs[0] for e in execs), execs
-    later = [rep for b in got["batches"][1:] for rep in b["reports"]]
-    assert all(rep["continued"] for rep in later), later
-    _check_output(base, 4)

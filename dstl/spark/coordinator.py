@@ -30,7 +30,7 @@ import posixpath
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from dstl.spark import faults
 from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
@@ -380,7 +380,16 @@ class CheckpointCoordinator:
         return _join(self.spec.output_path, self.batch_dir_name(batch)) if self.spec.output_path else None
 
     def commit_output(self, meta) -> bool:
-        """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work."""
+        """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work.
+
+        On an object store a move is a copy and a delete, and each existence check a request; the
+        driver waits for each in turn, so the commit lists the batch's staging folder once, copies
+        each staged file still there (server side), writes ``_SUCCESS`` and deletes the folder in one
+        bulk request: on S3 2P + 6 requests for P files, where a move per file took 6P + 3. A commit
+        cut short copies again what it had copied (the same bytes); a file missing from staging must
+        be in place already."""
+        from dstl.changelog.fs import is_local
+
         if not self.spec.output_path:
             return False
         out = meta.properties.get("output") or {}
@@ -393,19 +402,43 @@ class CheckpointCoordinator:
         if fs.exists(marker):
             return False
         fs.makedirs(batch_dir, exist_ok=True)
+        staging = _join(root, "_staging", f"batch-{batch:06d}")
+        present = self._staged_files(fs, staging)
+        local = is_local(fs)
         for staged, final in out.get("files", []):
             staged, final = resolve(self.base_path, staged), resolve(self.base_path, final)
             _, staged_p = _fs(staged)
             _, final_p = _fs(final)
-            if fs.exists(staged_p):
-                fs.mv(staged_p, final_p)
+            here = staged_p in present if staged_p.startswith(staging + "/") else fs.exists(staged_p)
+            if here:
+                if local:
+                    fs.mv(staged_p, final_p)  # a rename
+                else:
+                    fs.cp_file(staged_p, final_p)  # server-side; the staging folder goes in one delete
                 faults.point("coordinator.mid_commit", batch)
             elif not fs.exists(final_p):
                 raise RuntimeError(f"output of batch {batch} is lost: neither {staged} nor {final} exists")
         with fs.open(marker, "wb") as f:
             f.write(f"checkpoint {meta.checkpoint_id}\n".encode())
-        self._rm(fs, _join(root, "_staging", f"batch-{batch:06d}"))
+        if present:
+            try:
+                fs.rm(staging, recursive=True)
+            except FileNotFoundError:
+                pass
+        else:  # a redone commit: at most an empty folder is left
+            self._rm(fs, staging)
         return True
+
+    @staticmethod
+    def _staged_files(fs, staging: str) -> Set[str]:
+        """The files under a batch's staging folder, in one listing."""
+        fs.invalidate_cache(staging)
+        try:
+            return {p.rstrip("/") for p in fs.find(staging)}
+        except FileNotFoundError:
+            return set()
+        finally:
+            fs.invalidate_cache(staging)
 
     def _clean_uncommitted_staging(self) -> None:
         """On resume: staged files of batches after the latest checkpoint belong to no checkpoint."""

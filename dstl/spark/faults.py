@@ -28,7 +28,7 @@ docs/semantics.md §15):
                                     uploaded), no checkpoint
 ``stream.after_checkpoint``         StatefulStream: checkpoint durable, output not committed, sink not called
 ``pipeline.after_metadata``         the demo pipeline's ``--kill-at``: checkpoint durable, output not committed
-``coordinator.mid_commit``          after each staged output file is renamed into place, before the
+``coordinator.mid_commit``          after each staged output file is put in place, before the
                                     next one and ``_SUCCESS`` (also in the commit a restart finishes)
 ``coordinator.mid_gc_checkpoints``  after an old checkpoint is deleted, before the changelog files
 ``coordinator.mid_gc_files``        after an unreferenced changelog file is deleted, before the next
