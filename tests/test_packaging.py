@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import glob
 import json
 import os
@@ -327,19 +328,25 @@ def test_sdist_and_wheel_from_a_clean_copy_install_in_fresh_environments(tmp_pat
     work = tmp_path / "work"  # an empty working directory: nothing to import from
     work.mkdir()
 
-    # the wheel: compiled
-    python = _fresh_venv(tmp_path / "wheel-env")
-    _pip_install(python, wheel, _user_env(), str(work))
-    _smoke(python, "cython", str(work), version)
-    phases.append(("wheel install", time.monotonic() - t0))
-
-    # the sdist where no C compiler exists: CC fails, and the PATH holds no compiler either
+    # the sdist where no C compiler exists: CC fails, and the PATH holds no compiler either. Its
+    # environment is made beside the wheel's (two installs that wait on pip's downloads and builds)
     no_cc = tmp_path / "no-cc-bin"
     no_cc.mkdir()
-    python = _fresh_venv(tmp_path / "sdist-env")
     env = _user_env(CC="false", CXX="false", PATH=str(no_cc))
     assert shutil.which("gcc", path=env["PATH"]) is None and shutil.which("cc", path=env["PATH"]) is None
-    log = _pip_install(python, sdist, env, str(work))
+
+    def sdist_install():
+        python = _fresh_venv(tmp_path / "sdist-env")
+        return python, _pip_install(python, sdist, env, str(work))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sdist_env = pool.submit(sdist_install)
+        # the wheel: compiled
+        python = _fresh_venv(tmp_path / "wheel-env")
+        _pip_install(python, wheel, _user_env(), str(work))
+        _smoke(python, "cython", str(work), version)
+        phases.append(("wheel install", time.monotonic() - t0))
+        python, log = sdist_env.result()
     assert "Installing build dependencies" in log, log[-6000:]  # isolated: pyproject.toml's requirements
     assert "installing without the compiled modules" in log, log[-6000:]
     _smoke(python, "python", str(work), version)
