@@ -55,8 +55,9 @@ def main(work: str) -> int:
     events = os.path.join(work, "eventlog")  # what Spark ran (tests/test_connect.py); "events" is the stream source
     os.makedirs(events, exist_ok=True)
     builder = (SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2")
-               # a Python worker that connected back but is slow to answer Spark's authentication
-               # on a loaded machine is still accepted (the connect-back itself: see RETRY_NOTE)
+               # a Python process that connected back but is slow to answer Spark's authentication
+               # on a loaded machine is still accepted (the connect-back itself has a fixed 10 s:
+               # tests/driver_util.py, bytecode_spark_home)
                .config("spark.python.authenticate.socketTimeout", "120s")
                .config("spark.sql.streaming.stateStore.providerClass",
                        "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"))
@@ -94,8 +95,9 @@ def main(work: str) -> int:
                          .trigger(availableNow=True).start())
                 break
             except Exception as exc:  # noqa: BLE001
-                # Spark waits a fixed 10 s for its foreachBatch Python process to connect back; on a
-                # loaded machine that process can start slower. Nothing has run yet: start again.
+                # Spark waits a fixed 10 s for its foreachBatch Python process to connect back; the
+                # test starts it without compiling pyspark (bytecode_spark_home), and on a machine
+                # loaded enough it can still start slower. Nothing has run yet: start again.
                 if "failed to connect back" not in str(exc) or attempt == 4:
                     raise
         query.awaitTermination()

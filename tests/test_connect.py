@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from conftest import heavy
+from driver_util import bytecode_spark_home
 from eventlog_util import batch_plan_nodes, batch_stages, successful
 from streaming_util import make_batches, normalize, read_output, reference_counts
 
@@ -37,6 +38,11 @@ def connect_run(tmp_path_factory):
                SPARK_TESTING="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("SPARK_REMOTE", None)
+    # the Python processes the server starts per query import the installed pyspark, compiled: they
+    # must connect back within Spark's fixed 10 s
+    home = bytecode_spark_home(str(tmp_path_factory.mktemp("spark-home")))
+    if home:
+        env["SPARK_HOME"] = home
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "connect_driver.py"), work], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
