@@ -22,6 +22,10 @@ sys.path.insert(0, HERE)
 os.environ["PYSPARK_PYTHON"] = sys.executable
 
 
+#: the tag the `run` scenario's jobs carry (tests/test_connect.py finds its batches by it)
+RUN_SCOPE = "connect-driver-run-scenario"
+
+
 def _hide_classic_context():
     """Make the in-process classic SparkContext unusable; returns a function that restores it."""
     from pyspark import SparkContext
@@ -46,12 +50,20 @@ def main(work: str) -> int:
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = (SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2")
-             # a Python worker (foreachBatch's too) that starts slowly on a loaded machine still connects
-             .config("spark.python.authenticate.socketTimeout", "120s")
-             .config("spark.sql.streaming.stateStore.providerClass",
-                     "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-             .getOrCreate())
+    from eventlog_util import eventlog_conf
+
+    events = os.path.join(work, "eventlog")  # what Spark ran (tests/test_connect.py); "events" is the stream source
+    os.makedirs(events, exist_ok=True)
+    builder = (SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "2")
+               # a Python process that connected back but is slow to answer Spark's authentication
+               # on a loaded machine is still accepted (the connect-back itself has a fixed 10 s:
+               # tests/driver_util.py, bytecode_spark_home)
+               .config("spark.python.authenticate.socketTimeout", "120s")
+               .config("spark.sql.streaming.stateStore.providerClass",
+                       "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"))
+    for key, value in eventlog_conf(events).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     restore = _hide_classic_context()
     from dstl.spark import StatefulStream, bootstrap_state, read_changes, read_state, read_timers
     from processors import (COUNT_OUTPUT, SESSION_OUTPUT, CountingProcessor, RowCountingProcessor,
@@ -83,8 +95,9 @@ def main(work: str) -> int:
                          .trigger(availableNow=True).start())
                 break
             except Exception as exc:  # noqa: BLE001
-                # Spark waits a fixed 10 s for its foreachBatch Python process to connect back; on a
-                # loaded machine that process can start slower. Nothing has run yet: start again.
+                # Spark waits a fixed 10 s for its foreachBatch Python process to connect back; the
+                # test starts it without compiling pyspark (bytecode_spark_home), and on a machine
+                # loaded enough it can still start slower. Nothing has run yet: start again.
                 if "failed to connect back" not in str(exc) or attempt == 4:
                     raise
         query.awaitTermination()
@@ -96,13 +109,22 @@ def main(work: str) -> int:
 
     def run_pandas_api_and_rescale():
         base = os.path.join(work, "run")
-        res = [StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=2,
-                              retain=5).run(static(b)) for b in range(2)]
-        rescaled = StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=3,
-                                  retain=5).run(static(2))
-        return {"batch_ids": [r.batch_id for r in res + [rescaled]], "rows_out": [r.rows_out for r in res + [rescaled]],
+        # this scenario's jobs carry the tag too, beside dstl's batch tag: the event log holds every
+        # scenario's batches, with the same operator and batch numbers
+        spark.addTag(RUN_SCOPE)
+        try:
+            res = [StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=2,
+                                  retain=5).run(static(b)) for b in range(2)]
+            rescaled = StatefulStream(base, CountingProcessor(), COUNT_OUTPUT, key="user", parallelism=3,
+                                      retain=5).run(static(2))
+        finally:
+            spark.removeTag(RUN_SCOPE)
+        every = res + [rescaled]
+        return {"batch_ids": [r.batch_id for r in every], "rows_out": [r.rows_out for r in every],
                 "rescale_restored": rescaled.restored, "subtasks": sorted(t.subtask for t in rescaled.reports),
-                "routes": [r.route for r in res + [rescaled]]}
+                "routes": [r.route for r in every], "events": events, "scope": RUN_SCOPE,
+                "reports": {r.batch_id: [{"subtask": t.subtask, "executor": t.executor, "rows_in": t.rows_in}
+                                         for t in r.reports] for r in every}}
 
     def readers():
         base = os.path.join(work, "run")

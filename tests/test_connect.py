@@ -18,6 +18,8 @@ import pandas as pd
 import pytest
 
 from conftest import heavy
+from driver_util import bytecode_spark_home
+from eventlog_util import batch_plan_nodes, batch_stages, successful
 from streaming_util import make_batches, normalize, read_output, reference_counts
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, heavy]
@@ -36,6 +38,11 @@ def connect_run(tmp_path_factory):
                SPARK_TESTING="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("SPARK_REMOTE", None)
+    # the Python processes the server starts per query import the installed pyspark, compiled: they
+    # must connect back within Spark's fixed 10 s
+    home = bytecode_spark_home(str(tmp_path_factory.mktemp("spark-home")))
+    if home:
+        env["SPARK_HOME"] = home
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "connect_driver.py"), work], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -105,6 +112,35 @@ def test_run_and_rescale_under_connect(connect_run):
     assert got["routes"] == ["shuffle"] * 3  # a Spark DataFrame batch is shuffled, never broadcast
     _same(read_output(os.path.join(work, "run", "output")), reference_counts(BATCHES), COUNT_COLS,
           "StatefulStream.run under Connect, rescaled 2 -> 3")
+
+
+def check_connect_records(events, scope, reports, parallelism):
+    """What Spark ran for each batch of the `run` scenario, from the server's event log: one stage of
+    P tasks, one per subtask, each PROCESS_LOCAL on the executor its report names, all the batch's
+    rows in; a plan that shuffles the batch into a sort-merge join and broadcasts nothing."""
+    stages, plans = batch_stages(events, scope), batch_plan_nodes(events, scope)
+    assert sorted(stages) == sorted(plans) == sorted(parallelism), (sorted(stages), sorted(plans))
+    for n, p in parallelism.items():
+        nodes = plans[n]
+        assert nodes and not [x for x in nodes if "Broadcast" in x], (n, sorted(set(nodes)))
+        assert "SortMergeJoin" in nodes and any(x.startswith("Exchange") for x in nodes), (n, sorted(set(nodes)))
+        runs = stages[n]
+        ok = successful(runs)
+        assert sorted(ok) == list(range(p)), (n, runs)  # every partition ran: nothing coalesced or split
+        assert len([r for r in runs if r.success]) == p, (n, runs)
+        assert all(r.locality == "PROCESS_LOCAL" for r in ok.values()), (n, runs)
+        assert sorted(rep["subtask"] for rep in reports[n]) == list(range(p)), (n, reports[n])
+        for rep in reports[n]:
+            assert rep["executor"] == ok[rep["subtask"]].executor, (n, rep)
+        assert sum(rep["rows_in"] for rep in reports[n]) == len(BATCHES[n])
+
+
+def test_what_spark_ran_for_each_batch_under_connect(connect_run):
+    """Spark's own records of the `run` scenario under Connect (P=2 twice, then 3): the batches are
+    found by the job tag dstl sets under Connect, scoped by the scenario's own tag."""
+    _, got = _scenario(connect_run, "run_pandas_api_and_rescale")
+    reports = {int(b): reps for b, reps in got["reports"].items()}
+    check_connect_records(got["events"], got["scope"], reports, {0: 2, 1: 2, 2: 3})
 
 
 def test_read_state_and_changes_under_connect(connect_run):

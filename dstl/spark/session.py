@@ -4,7 +4,8 @@
   to the Python workers.
 * `SubtaskStage`: one micro-batch as ONE Spark stage of P concurrent tasks, task i = subtask i,
   with subtask i kept on the same executor batch after batch (docs/spark.md, "Placement").
-* `collect`: a batch's one evaluation, under a job description naming the batch.
+* `collect`: a batch's one evaluation, its jobs named after the batch (a job description on a
+  classic session, a job tag under Spark Connect).
 * `executor_id` / `executor_process` (run in a Python worker): the executor running the task.
 * `is_connect` / `default_parallelism`: which kind of session this is, and how many tasks a read
   should use by default.
@@ -14,7 +15,8 @@ Classic and Spark Connect. A Connect session (`SparkSession.builder.remote("sc:/
 SparkContext, no `_jvm` and no RDDs; `is_connect` recognises it by its class, and then nothing here
 touches them: the workers' environment cannot be set from the client (the package must be
 installed on the cluster, and object-store settings come from the server's configuration), the
-log level stays the server's, no job description is set, and the executor count is unknown.
+log level stays the server's, a batch's jobs are tagged instead of described, and the executor
+count is unknown.
 Everything else (the anchor's persist, the repartition, join hints, `mapInPandas`, executor ids
 read in the worker) is plain DataFrame API and works the same on both, placement included.
 
@@ -186,17 +188,30 @@ def application_of(spark) -> Any:
         return ("session", id(spark))
 
 
+def batch_tag(description: str) -> str:
+    """`description` as a Spark job tag: Spark keeps a job's tags as one comma-joined list
+    (``spark.job.tags``), so a tag may hold no comma (nor be empty)."""
+    return description.replace(",", ";") or "dstl"
+
+
 def collect(spark, df, description: str):
-    """`df.collect()` with `description` as the Spark job description (the UI's and the event
-    log's ``spark.job.description``), so a batch's jobs can be told apart."""
-    if is_connect(spark):  # a Connect client sets no local properties: no description
-        return df.collect()
+    """`df.collect()` with its jobs named by `description`, so a batch's jobs can be told apart in
+    the UI and the event log: a classic session sets it as the job description
+    (``spark.job.description``); a Connect client cannot, and tags the jobs with it instead
+    (`batch_tag`; the server lists it in ``spark.job.tags`` behind its own session prefix)."""
+    if is_connect(spark):
+        tag = batch_tag(description)
+        spark.addTag(tag)  # thread-local on the client: it names this thread's operations only
+        try:
+            return df.collect()
+        finally:
+            spark.removeTag(tag)
     key = "spark.job.description"
     try:
         sc = spark.sparkContext
         saved = sc.getLocalProperty(key)  # foreachBatch's own ("id = ..., batch = N")
         sc.setLocalProperty(key, description)
-    except Exception:  # noqa: BLE001 - Spark Connect: no job description, the rows all the same
+    except Exception:  # noqa: BLE001 - no context to set it on: the rows all the same
         sc = None
     try:
         return df.collect()
