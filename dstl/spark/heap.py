@@ -43,7 +43,7 @@ ENV_SWITCH = "DSTL_SPARK_GC_FREEZE"
 #: that brings a full collection of everything, frozen objects included
 REGROW = 0.25
 #: during a task, the oldest (unfrozen) generation is collected about every time the task allocated
-#: this many times the frozen objects (measured: 0.25 still collected it 2-3 times a batch of 750k
+#: this many times the frozen objects (measured: 0.25 still collected it 3 times a batch of 750k
 #: keys at 2M held, about a second of CPU; 1.0 not at all)
 GEN2_EVERY = 1.0
 
