@@ -106,7 +106,6 @@ def child(a) -> dict:
         users = np.array([f"u{i}" for i in range(n_keys)], dtype=object)
         next_key = n_keys
         cp = 0
-        trash = []
 
         def fn(keys):
             if a.workload == "cyclic-values":
@@ -117,11 +116,10 @@ def child(a) -> dict:
             old = np.array([t if t is not None else (0, 0) for t in totals.get_many(keys)],
                            dtype=np.int64).reshape(-1, 2)
             totals.update_many(keys, (old + 1).tolist())
-            if a.workload == "cycles":  # the user's own garbage: dropped, reachable only from itself
+            if a.workload == "cycles":  # the user's own garbage: dropped on return, reachable only from itself
                 ring = [_Node() for _ in range(10_000)]
                 for i, x in enumerate(ring):
                     x.other = ring[i - 1]
-                trash.clear()
 
         def task(keys, record):
             nonlocal cp
