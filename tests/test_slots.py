@@ -231,3 +231,88 @@ def test_a_slot_that_cannot_start_says_why(slot_env, monkeypatch, tmp_path):
     monkeypatch.setattr(slots.sys, "executable", str(broken))
     with pytest.raises(slots.SlotError, match="could not start the slot process.*no dstl for this interpreter"):
         slots.connect("0123456789abcdef")
+
+
+# ------------------------------------------------------------------ the collector in a slot (dstl.spark.heap)
+
+#: what gc_fn keeps in the slot process between tasks: a weak reference to a cycle made and dropped
+#: in a task, a cycle kept alive across a freeze, then dropped, and objects that grow the heap
+_GC: dict = {}
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def gc_fn(rows, state):
+    """count_fn, plus per batch (rows' "key" column holds the step) one step of the
+    scenario below, reporting what the slot's collector did through task_metrics(); other
+    numbers are warm-up steps."""
+    import gc
+    import sys
+    import weakref
+
+    from dstl.spark import heap
+    from dstl.spark.keyed import task_metrics
+
+    step = int(rows["key"].iloc[0])
+    m = task_metrics()
+    m["frozen"] = gc.get_freeze_count()  # what the previous task's end froze
+    m["threshold2"] = gc.get_threshold()[2]
+    m["full"] = heap.stats["full"]
+    if step == 0:  # a cycle made and dropped in the task: found by a young collection
+        _GC["young"] = weakref.ref(_Cycle())
+    elif step == 1:
+        m["young_alive"] = int(_GC["young"]() is not None)
+        _GC["kept"] = _Cycle()  # alive when this task ends: frozen with the state
+    elif step == 2:
+        m["kept_frozen"] = int(not any(o is _GC["kept"] for o in gc.get_objects()))
+        _GC["dropped"] = weakref.ref(_GC.pop("kept"))  # cyclic garbage now, but frozen
+    elif step == 3:
+        m["dropped_alive"] = int(_GC["dropped"]() is not None)
+        # more than REGROW of new live objects: this task's end collects everything
+        _GC["grow"] = [[i] for i in range(int(sys.getallocatedblocks() * heap.REGROW * 2))]
+    elif step == 4:
+        m["dropped_alive"] = int(_GC["dropped"]() is not None)
+    return count_fn(rows, state)
+
+
+def _gc_steps(coord, steps):
+    return [_batch(coord, coord.next_batch, [step], fn=gc_fn) for step in steps]
+
+
+def test_a_slot_freezes_its_state_and_still_collects_cyclic_garbage(slot_env, tmp_path):
+    coord = _job(tmp_path)
+    _gc_steps(coord, [10, 11])  # warm-up: what the first tasks import is frozen by the first full collection
+    reports = _gc_steps(coord, [0, 1, 2, 3, 4])
+    assert len({r.pid for r in reports}) == 1 and reports[0].pid != os.getpid()
+    m = [{k: r.metric(k) for k in ("frozen", "threshold2", "full", "young_alive", "kept_frozen", "dropped_alive")}
+         for r in reports]
+    assert all(x["frozen"] > 0 for x in m)               # every task found the previous one's heap frozen
+    assert m[1]["young_alive"] == 0                      # the task's own cycle: collected
+    assert m[2]["kept_frozen"] == 1                      # what outlived a task: out of the collector's way
+    # frozen, a dropped cycle waits (no full collection happened in between)...
+    assert m[3]["full"] == m[2]["full"] and m[3]["dropped_alive"] == 1
+    # ...until the heap grew by REGROW: then everything was collected once, the cycle with it
+    assert m[4]["full"] == m[3]["full"] + 1 and m[4]["dropped_alive"] == 0
+    assert m[4]["threshold2"] >= 10
+
+
+def test_the_freeze_can_be_switched_off(slot_env, tmp_path, monkeypatch):
+    from dstl.spark import heap
+
+    monkeypatch.setenv(heap.ENV_SWITCH, "off")
+    coord = _job(tmp_path)
+    reports = _gc_steps(coord, [10, 11])
+    assert reports[1].pid == reports[0].pid != os.getpid() and reports[1].metric("frozen") == 0
+
+
+def test_a_task_run_in_a_process_that_is_no_slot_or_worker_leaves_its_heap_alone(slot_env, tmp_path, monkeypatch):
+    import gc
+
+    monkeypatch.setenv(slots.ENV_SWITCH, "off")
+    before = gc.get_freeze_count()
+    coord = _job(tmp_path)
+    report = _batch(coord, 0, [1])
+    assert report.pid == os.getpid() and gc.get_freeze_count() == before

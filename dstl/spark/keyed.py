@@ -349,6 +349,16 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
 
 def run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
     """Continue or restore subtask `subtask`'s state, apply `fn`, stage the output, snapshot."""
+    from dstl.spark import heap
+
+    try:
+        return _run_subtask(plan, fn, rows, subtask, attempt, arrow_schema)
+    finally:
+        # the state this process holds between tasks out of the collector's way (dstl.spark.heap)
+        heap.after_task()
+
+
+def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
     from dstl.spark.cache import CACHE, CacheEntry, storage_for
     from dstl.spark.session import executor_id
 

@@ -232,6 +232,9 @@ def main(argv: List[str]) -> None:
     name, sock_path = argv[0], argv[1]
     logging.basicConfig(level=os.environ.get("DSTL_SPARK_SLOT_LOG", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s slot {name} pid {os.getpid()} %(levelname)s %(name)s: %(message)s")
+    from dstl.spark import heap
+
+    heap.own_process()
     Slot(name, sock_path).serve()
 
 
