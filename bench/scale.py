@@ -196,6 +196,8 @@ def child_engines(a) -> dict:
                                 state_rows=rec["state_rows"])
                 out[e.name]["batches"].append(keep)
                 print(f"batch {b} {e.name:<14} {keep['batch_s']:8.2f} s  load {keep['load']}", flush=True)
+                with open(a.child_out, "w") as f:  # kept if the run is cut short (timeout, kill)
+                    json.dump(out, f, default=str)
                 if b + 1 == plan[e.name]:
                     stop(e)
     finally:
