@@ -32,6 +32,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(1, HERE)
+
+from _driver_proc import loadavg  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -40,11 +43,6 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 class _GcMeter:
@@ -141,7 +139,7 @@ def child(a) -> dict:
                     "collections": list(meter.n), "gc_cpu_s": [round(x, 4) for x in meter.cpu],
                     "frozen": gc.get_freeze_count(), "threshold": list(gc.get_threshold()),
                     "full": heap.stats["full"], "blocks": sys.getallocatedblocks(),
-                    "rss_mb": round(_rss_mb(), 1), "load": _loadavg()})
+                    "rss_mb": round(_rss_mb(), 1), "load": loadavg()})
 
         for s in range(0, n_keys, size):  # the stream's first batches: every key new
             task(users[s:s + size], False)
@@ -251,7 +249,7 @@ def main(argv) -> int:
         a.batch = a.batch or 50_000
         a.batches = a.batches or 240
         res = leak(a)
-    res["load_end"] = _loadavg()
+    res["load_end"] = loadavg()
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:
