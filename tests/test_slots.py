@@ -316,3 +316,31 @@ def test_a_task_run_in_a_process_that_is_no_slot_or_worker_leaves_its_heap_alone
     coord = _job(tmp_path)
     report = _batch(coord, 0, [1])
     assert report.pid == os.getpid() and gc.get_freeze_count() == before
+
+
+def test_the_watch_of_a_running_task_stops_at_once_and_sees_its_worker_go(monkeypatch):
+    """The slot's watch of the task's worker: stopping it (the task ended) wakes it at once, without
+    closing or killing anything; a worker that goes away mid-task makes it end the slot."""
+    import socket
+    import threading
+
+    from dstl.spark.slot import _ClientWatch
+
+    died = threading.Event()
+    monkeypatch.setattr(_ClientWatch, "_die", lambda self: died.set())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        slot_end, worker_end = socket.socketpair()
+        watch = _ClientWatch(slot_end, listener)
+        watch.stop()
+        assert not watch._thread.is_alive() and not died.is_set()
+        worker_end.close()  # after the task: no longer the watch's business
+        slot_end.close()
+        slot_end, worker_end = socket.socketpair()
+        watch = _ClientWatch(slot_end, listener)
+        worker_end.close()  # the worker goes away while the task runs
+        assert died.wait(10.0), "a closed worker went unnoticed"
+        watch.stop()
+        slot_end.close()
+    finally:
+        listener.close()

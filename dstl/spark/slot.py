@@ -35,18 +35,22 @@ class _ClientWatch:
         self._conn = conn
         self._listener = listener
         self._done = threading.Event()
+        # stop() wakes the watcher through this pipe: the task's reply waits for the watcher to
+        # end, and a select with a timeout would hold it up to that timeout (every task)
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="dstl-slot-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._done.is_set():
             try:
-                readable, _, _ = select.select([self._conn], [], [], 0.2)
-                if readable and not self._conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                    if self._done.is_set():
-                        return
+                readable, _, _ = select.select([self._conn, self._wake_r], [], [])
+                if self._wake_r in readable or self._done.is_set():
+                    return
+                if not self._conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                     log.warning("the worker of the running task went away: exiting without its state")
                     self._die()
+                time.sleep(0.05)  # bytes the protocol does not send while a task runs: not a closed peer
             except BlockingIOError:
                 continue
             except OSError:
@@ -65,7 +69,10 @@ class _ClientWatch:
 
     def stop(self) -> None:
         self._done.set()
+        os.write(self._wake_w, b"x")
         self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 class Slot:
