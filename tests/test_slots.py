@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pandas as pd
@@ -319,11 +321,9 @@ def test_a_task_run_in_a_process_that_is_no_slot_or_worker_leaves_its_heap_alone
 
 
 def test_the_watch_of_a_running_task_stops_at_once_and_sees_its_worker_go(monkeypatch):
-    """The slot's watch of the task's worker: stopping it (the task ended) wakes it at once, without
-    closing or killing anything; a worker that goes away mid-task makes it end the slot."""
-    import socket
-    import threading
-
+    """The slot's watch of the task's worker: stopping it (the task ended) ends its thread while the
+    worker is still connected, killing nothing; a worker that goes away mid-task makes it end the
+    slot. (How long a task's reply waited for the old timed poll is measured by the benchmarks.)"""
     from dstl.spark.slot import _ClientWatch
 
     died = threading.Event()
