@@ -112,7 +112,7 @@ def stop_slots(pids: Iterable[int], wait_s: float = 15.0) -> List[int]:
     def is_slot(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"dstl.spark.slot" in f.read()
+                return b"dstl.spark.slot_process" in f.read()
         except OSError:
             return False
 

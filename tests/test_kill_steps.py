@@ -126,7 +126,7 @@ class TaskTarget:
 
 #: The parametrisation hook for the task side: each target is killed mid-task in its own batch of the
 #: last run, and Spark retries the task (local[2,4]), whose retry restores the subtask from the last
-#: checkpoint. Since dstl.spark.slots, a subtask's warm state lives in its slot process (one per
+#: checkpoint. Since dstl.spark.slot_client, a subtask's warm state lives in its slot process (one per
 #: subtask and host), which `task.mid_batch` runs in; the Python worker that forwards the task's rows
 #: waits at `task.worker_wait` (killing it makes the slot exit without its state). With slots off
 #: (DSTL_SPARK_SLOTS=0) the state is the worker's and `task.mid_batch` runs there. A new holder of warm

@@ -1,4 +1,4 @@
-"""Slots (dstl.spark.slots): the process per subtask and host that keeps the state warm whichever
+"""Slots (dstl.spark.slot_client): the process per subtask and host that keeps the state warm whichever
 Python worker runs the task. Without Spark: the real task body (`run_placed` -> the slot ->
 `run_subtask`) against a real CheckpointCoordinator on a local base path, real slot processes,
 stopped by PID. The Spark side is tests/test_spark_routing.py (fast tier) and
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import heavy_twins
 from dstl.changelog.upload.service.runtime import pid_alive
-from dstl.spark import slots
+from dstl.spark import slot_client
 from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
 from dstl.spark.keyed import TaskReport, run_placed
 
@@ -52,7 +52,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def _slot_pids():
-    d = slots.slots_dir()
+    d = slot_client.slots_dir()
     pids = []
     for name in os.listdir(d):
         if name.endswith(".pid"):
@@ -68,7 +68,7 @@ def _slot_pids():
 def slot_env(monkeypatch, tmp_path):
     """A runtime directory of the test's own; every slot started in it is SIGKILLed by PID after."""
     monkeypatch.setenv("DSTL_RUNTIME_DIR", str(tmp_path / "rt"))
-    monkeypatch.delenv(slots.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(slot_client.ENV_SWITCH, raising=False)
     yield
     from dstl.spark import cache
 
@@ -93,9 +93,9 @@ def _batch(coord, batch: int, keys, fn=count_fn, watch=None, subtask: int = 0):
     if watch is None:
         report = TaskReport(**run_placed(plan, fn, rows, subtask, 0, SCHEMA))
     else:
-        payload = slots.dumps(dict(plan=plan, fn=fn, rows=rows, subtask=subtask, attempt=0, arrow_schema=SCHEMA),
+        payload = slot_client.dumps(dict(plan=plan, fn=fn, rows=rows, subtask=subtask, attempt=0, arrow_schema=SCHEMA),
                               by_value=True)
-        report = TaskReport(**slots.call(slots.slot_name(plan.job_id, plan.operator_id, subtask), payload,
+        report = TaskReport(**slot_client.call(slot_client.slot_name(plan.job_id, plan.operator_id, subtask), payload,
                                          (None, "driver"), subtask, watch=watch))
     report.output = pd.read_parquet(report.staged) if report.staged else None  # before the commit moves it
     coord.complete(plan, [report])
@@ -115,13 +115,13 @@ def test_the_state_stays_in_one_slot_process_across_batches(slot_env, tmp_path):
     out = second.output.sort_values("key")
     assert out.to_dict("list") == {"key": [2, 3], "count": [3, 1]}
     # the slot runs the implementation this process runs (its name includes it)
-    assert slots.slot_name("j", "op", 0) != slots.slot_name("j", "op", 1)
+    assert slot_client.slot_name("j", "op", 0) != slot_client.slot_name("j", "op", 1)
     assert dstl.IMPLEMENTATION in ("cython", "python")
 
 
 def test_off_runs_the_task_in_this_process(slot_env, tmp_path, monkeypatch):
-    monkeypatch.setenv(slots.ENV_SWITCH, "off")
-    assert not slots.enabled()
+    monkeypatch.setenv(slot_client.ENV_SWITCH, "off")
+    assert not slot_client.enabled()
     coord = _job(tmp_path)
     report = _batch(coord, 0, [1])
     assert report.pid == os.getpid() and report.hop_ms == 0
@@ -133,19 +133,19 @@ def test_the_functions_exception_is_raised_in_the_worker_with_the_slots_tracebac
     with pytest.raises(KeyError, match="no such column") as info:
         run_placed(plan, failing_fn, pd.DataFrame({"key": [1]}), 0, 0, SCHEMA)
     cause = info.value.__cause__
-    assert isinstance(cause, slots.RemoteTraceback) and "failing_fn" in cause.tb and "slot process" in str(cause)
+    assert isinstance(cause, slot_client.RemoteTraceback) and "failing_fn" in cause.tb and "slot process" in str(cause)
     # the failed task's state was thrown away, not cached: the next attempt starts from the checkpoint
     report = TaskReport(**run_placed(plan, count_fn, pd.DataFrame({"key": [1]}), 0, 1, SCHEMA))
     assert not report.continued
 
 
 def test_a_different_forwarded_environment_gets_a_slot_of_its_own(monkeypatch):
-    before = slots.slot_name("job", "op", 0)
+    before = slot_client.slot_name("job", "op", 0)
     monkeypatch.setenv("DSTL_SOMETHING_FOR_THE_WORKERS", "1")
-    assert slots.slot_name("job", "op", 0) != before
+    assert slot_client.slot_name("job", "op", 0) != before
     monkeypatch.setenv("UNRELATED_VARIABLE", "1")  # not forwarded to workers: the same slot
     monkeypatch.delenv("DSTL_SOMETHING_FOR_THE_WORKERS")
-    assert slots.slot_name("job", "op", 0) == before
+    assert slot_client.slot_name("job", "op", 0) == before
 
 
 @heavy_twins  # starts extra processes: the full tier, under both builds
@@ -160,15 +160,15 @@ def test_a_slot_exits_when_the_process_it_watches_is_gone(slot_env, tmp_path):
         watched.wait()
     assert _wait_gone(report.pid), "the slot outlived the daemon of the worker it served"
     # it cleaned up: no socket, pid file or log left for its name
-    name = slots.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
-    assert not [f for f in os.listdir(slots.slots_dir()) if f.startswith(name) and not f.endswith(".lock")]
+    name = slot_client.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
+    assert not [f for f in os.listdir(slot_client.slots_dir()) if f.startswith(name) and not f.endswith(".lock")]
 
 
 def test_a_slot_exits_when_its_socket_is_removed(slot_env, tmp_path):
     coord = _job(tmp_path)
     report = _batch(coord, 0, [1])
-    name = slots.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
-    os.unlink(slots.paths(name)["sock"])  # a temp cleaner
+    name = slot_client.slot_name(coord.spec.job_id, coord.spec.operator_id, 0)
+    os.unlink(slot_client.paths(name)["sock"])  # a temp cleaner
     assert _wait_gone(report.pid)
     # the next task starts a new slot, which restores the subtask from the checkpoint
     again = _batch(coord, 1, [1])
@@ -216,7 +216,7 @@ def test_a_slot_whose_worker_dies_mid_task_exits_without_its_state(slot_env, tmp
 @heavy_twins  # starts extra processes: the full tier, under both builds
 def test_too_many_slots_ask_the_longest_idle_to_exit(slot_env, tmp_path, monkeypatch):
     monkeypatch.setenv("DSTL_SPARK_SLOTS_MAX", "2")
-    monkeypatch.setattr(slots, "EVICTABLE_IDLE_S", 0.0)
+    monkeypatch.setattr(slot_client, "EVICTABLE_IDLE_S", 0.0)
     a = _batch(_job(tmp_path, "a"), 0, [1])
     time.sleep(0.05)
     b = _batch(_job(tmp_path, "b"), 0, [1])
@@ -230,9 +230,9 @@ def test_a_slot_that_cannot_start_says_why(slot_env, monkeypatch, tmp_path):
     broken = tmp_path / "python"
     broken.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.exit(\"no dstl for this interpreter\")'\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(slots.sys, "executable", str(broken))
-    with pytest.raises(slots.SlotError, match="could not start the slot process.*no dstl for this interpreter"):
-        slots.connect("0123456789abcdef")
+    monkeypatch.setattr(slot_client.sys, "executable", str(broken))
+    with pytest.raises(slot_client.SlotError, match="could not start the slot process.*no dstl for this interpreter"):
+        slot_client.connect("0123456789abcdef")
 
 
 # ------------------------------------------------------------------ the collector in a slot (dstl.spark.heap)
@@ -313,7 +313,7 @@ def test_the_freeze_can_be_switched_off(slot_env, tmp_path, monkeypatch):
 def test_a_task_run_in_a_process_that_is_no_slot_or_worker_leaves_its_heap_alone(slot_env, tmp_path, monkeypatch):
     import gc
 
-    monkeypatch.setenv(slots.ENV_SWITCH, "off")
+    monkeypatch.setenv(slot_client.ENV_SWITCH, "off")
     before = gc.get_freeze_count()
     coord = _job(tmp_path)
     report = _batch(coord, 0, [1])
@@ -324,7 +324,7 @@ def test_the_watch_of_a_running_task_stops_at_once_and_sees_its_worker_go(monkey
     """The slot's watch of the task's worker: stopping it (the task ended) ends its thread while the
     worker is still connected, killing nothing; a worker that goes away mid-task makes it end the
     slot. (How long a task's reply waited for the old timed poll is measured by the benchmarks.)"""
-    from dstl.spark.slot import _ClientWatch
+    from dstl.spark.slot_process import _ClientWatch
 
     died = threading.Event()
     monkeypatch.setattr(_ClientWatch, "_die", lambda self: died.set())

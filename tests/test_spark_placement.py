@@ -62,7 +62,7 @@ def _warm(results):
 def test_local_mode_keeps_every_subtask_warm_in_its_slot_and_survives_a_killed_slot_and_worker(
         tmp_path, capsys, monkeypatch):
     """local[2,4], P=4: the tasks of a batch run in several Python workers of the one executor, and
-    every subtask continues from memory in its slot process (dstl.spark.slots) whichever worker Spark
+    every subtask continues from memory in its slot process (dstl.spark.slot_client) whichever worker Spark
     picked. Batch 1: the Python worker of subtask 0 is SIGKILLed while its slot runs the task (the
     slot must exit and never be used again). Batch 2: subtask 1's slot itself is SIGKILLed half-way
     through its rows. Each retry restores; the output is exact."""

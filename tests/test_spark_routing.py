@@ -121,7 +121,7 @@ def test_local_mode_shuffles_big_batches_and_keeps_every_subtask_warm(tmp_path):
     (batch b over (b+1)*600 keys), AQE on and tempted to coalesce (a 1 KB advisory partition size):
     the batch, which the driver could not broadcast, is shuffled into one stage of 4 tasks each
     batch; every subtask-batch after the first continues from memory in its slot process
-    (dstl.spark.slots), whichever of the two workers ran it. The start does not grow with the
+    (dstl.spark.slot_client), whichever of the two workers ran it. The start does not grow with the
     state: no continued subtask replays anything, at 2x and at 8x the keys. (Its time, at 100k to
     4M keys, is measured by `make bench-scale`.) The output is exact."""
     conf = ["spark.sql.adaptive.coalescePartitions.enabled=true",

@@ -22,7 +22,7 @@ docs/semantics.md §15):
 ``task.worker_wait``                the Python worker of a task, after it handed the rows to the slot
                                     process, while the slot runs the task
 ``task.mid_batch``                  a stateful task, after applying half of its rows (``--fail-at``); in the
-                                    subtask's slot process (dstl.spark.slots) when slots are on, else
+                                    subtask's slot process (dstl.spark.slot_process) when slots are on, else
                                     in the Python worker: ``kill`` there kills the warm state's holder
 ``stream.after_tasks``              StatefulStream: task reports collected (output staged, changelog
                                     uploaded), no checkpoint

@@ -150,7 +150,7 @@ class TaskReport:
     #: where the state came from: "memory" (continued), "local" (this host's local-recovery copy),
     #: "dfs" (the base path), "new" (no checkpoint yet)
     restore_source: str = ""
-    #: the rows' way from the worker to the subtask's slot process (dstl.spark.slots); 0 in the worker
+    #: the rows' way from the worker to the subtask's slot process (dstl.spark.slot_client); 0 in the worker
     hop_ms: float = 0.0
     #: from taking the subtask's state to calling fn: continuing (ms) or restoring it, confirming
     #: the completed checkpoint, pruning local copies (the hop not included)
@@ -428,18 +428,18 @@ def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt
 
 
 def run_placed(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt: int, arrow_schema) -> Dict[str, Any]:
-    """`run_subtask` in the subtask's slot process on this host (dstl.spark.slots), where its state
+    """`run_subtask` in the subtask's slot process on this host (dstl.spark.slot_client), where its state
     stays warm whichever Python worker Spark picked; in this worker when slots are off."""
-    from dstl.spark import slots
+    from dstl.spark import slot_client
 
-    if not slots.enabled():
+    if not slot_client.enabled():
         return dict(run_subtask(plan, fn, rows, subtask, attempt, arrow_schema), hop_ms=0.0)
     from dstl.spark import faults
     from dstl.spark.session import executor_process
 
     request = dict(plan=plan, fn=fn, rows=rows, subtask=subtask, attempt=attempt, arrow_schema=arrow_schema)
-    payload = slots.dumps(request, by_value=True)
-    return slots.call(slots.slot_name(plan.job_id, plan.operator_id, subtask), payload, executor_process(),
+    payload = slot_client.dumps(request, by_value=True)
+    return slot_client.call(slot_client.slot_name(plan.job_id, plan.operator_id, subtask), payload, executor_process(),
                       subtask, sent=lambda: faults.point("task.worker_wait", plan.batch, subtask=subtask))
 
 

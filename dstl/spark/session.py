@@ -348,7 +348,7 @@ class SubtaskStage:
 # ------------------------------------------------------------------ in the Python worker
 
 _EXECUTOR_ID: Optional[str] = None
-#: (pid, id) of the executor a slot process serves (dstl.spark.slot): it is nobody's Python worker
+#: (pid, id) of the executor a slot process serves (dstl.spark.slot_process): it is nobody's Python worker
 _SERVED: Optional[Tuple[Optional[int], str]] = None
 
 

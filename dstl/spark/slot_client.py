@@ -9,7 +9,7 @@ slot its rows over a Unix socket and gets the task report back; the slot runs th
 from memory in whichever worker, of whichever executor on the host, Spark runs it.
 
 This module is the worker's side (find or start the slot, send, receive) and the wire format both
-sides use; `dstl.spark.slot` is the slot process. `DSTL_SPARK_SLOTS=off` runs the task body in
+sides use; `dstl.spark.slot_process` is the slot process. `DSTL_SPARK_SLOTS=off` runs the task body in
 the worker itself (state then stays warm only per worker).
 
 * **Name.** A slot serves one (job, operator, subtask) for one installation (interpreter, dstl,
@@ -189,7 +189,7 @@ def _spawn(name: str, p: Dict[str, str]) -> int:
     import subprocess
 
     boot = ("import json, os, sys; sys.path[:0] = [p for p in json.loads(os.environ.pop('DSTL_SLOT_SYSPATH'))"
-            " if p not in sys.path]; from dstl.spark.slot import main; main(sys.argv[1:])")
+            " if p not in sys.path]; from dstl.spark.slot_process import main; main(sys.argv[1:])")
     env = dict(os.environ, DSTL_SLOT_SYSPATH=json.dumps([p for p in sys.path if p]))
     log = open(p["log"], "ab")
     try:

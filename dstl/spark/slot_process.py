@@ -1,4 +1,4 @@
-"""The slot process: holds one subtask's live state on a host and runs its tasks (dstl.spark.slots).
+"""The slot process: holds one subtask's live state on a host and runs its tasks (dstl.spark.slot_client).
 
 Started by a Python worker as ``<python> -c <boot> <name> <socket>``; serves one task at a time on
 its Unix socket: a prelude (the worker's sys.path, executor and pyspark daemon), then the pickled
@@ -19,9 +19,9 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from dstl.spark import slots
+from dstl.spark import slot_client
 
-log = logging.getLogger("dstl.spark.slot")
+log = logging.getLogger(__name__)
 
 #: seconds between the checks of the accept loop (idle, watched process, socket file)
 TICK_S = 1.0
@@ -125,7 +125,7 @@ class Slot:
             from dstl.spark import cache
 
             cache.shutdown()
-            # a clean exit leaves nothing; a crashed slot's log stays (slots.evict_idle sweeps it)
+            # a clean exit leaves nothing; a crashed slot's log stays (slot_client.evict_idle sweeps it)
             if not os.path.exists(self.sock_path):  # no successor has started under this name yet
                 for path in (pid_file, self.sock_path[: -len(".sock")] + ".log"):
                     try:
@@ -167,7 +167,7 @@ class Slot:
     def _handle(self, conn: socket.socket, exiting: bool = False) -> str:
         conn.settimeout(300.0)
         try:
-            prelude = slots.recv_obj(conn)
+            prelude = slot_client.recv_obj(conn)
         except (EOFError, OSError, pickle.UnpicklingError):
             return "bad"
         if prelude.get("op") == "exit":
@@ -176,8 +176,8 @@ class Slot:
             return "exit" if exiting or idle >= float(prelude.get("idle_s", 0.0)) else "ok"
         self._adopt(prelude)
         try:
-            slots.send_obj(conn, {"ack": os.getpid()})  # the task is this slot's from now on
-            request = slots.recv_obj(conn)
+            slot_client.send_obj(conn, {"ack": os.getpid()})  # the task is this slot's from now on
+            request = slot_client.recv_obj(conn)
         except (EOFError, OSError):
             return "bad"
         except BaseException as exc:  # noqa: BLE001 - a function the slot cannot unpickle: tell the task
@@ -197,7 +197,7 @@ class Slot:
         except OSError:
             pass
         try:
-            slots.send_obj(conn, reply)
+            slot_client.send_obj(conn, reply)
         except OSError:
             log.warning("could not send the task's reply: its worker went away")
         return "ok"

@@ -397,7 +397,7 @@ def sweep_runtime_dirs(root: Optional[str] = None, grace_s: float = SWEEP_GRACE_
     removed = 0
     now = time.time()
     for name in os.listdir(root):
-        if name.startswith("_"):  # not a service's: the Spark slots' sockets (dstl.spark.slots)
+        if name.startswith("_"):  # not a service's: the Spark slots' sockets (dstl.spark.slot_client)
             continue
         d = os.path.join(root, name)
         try:
