@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from service_util import alive, children_of, process_storage, runtime, wait_dead  # noqa: F401
-from dstl.changelog.upload.service import runtime as rt
+from dstl import runtime_dir
 from dstl.types import KeyGroupRange
 
 KGR = KeyGroupRange(0, 127)
@@ -38,18 +38,18 @@ def _round_trip(storage, payload: bytes) -> list:
 
 
 def test_a_short_root_is_its_own_socket_root_and_a_long_one_gets_a_short_link(tmp_path):
-    assert rt.socket_root("/tmp/dstl-x") == "/tmp/dstl-x"
+    assert runtime_dir.socket_root("/tmp/dstl-x") == "/tmp/dstl-x"
     long_root = _long_dir(str(tmp_path), 200)
-    link = rt.socket_root(long_root)
+    link = runtime_dir.socket_root(long_root)
     try:
         assert link != long_root and os.path.islink(link) and os.readlink(link) == long_root
         # every socket below the link fits: the service's and the forkserver's listener
-        assert len(link) + rt.SOCKET_TAIL < rt.SUN_PATH_MAX
+        assert len(link) + runtime_dir.SOCKET_TAIL < runtime_dir.SUN_PATH_MAX
         assert oct(os.stat(os.path.dirname(link)).st_mode & 0o777) == "0o700"
-        assert rt.socket_root(long_root) == link  # idempotent
+        assert runtime_dir.socket_root(long_root) == link  # idempotent
         # a link to a removed root is swept
         shutil.rmtree(long_root)
-        assert rt.sweep_socket_links() >= 1 and not os.path.lexists(link)
+        assert runtime_dir.sweep_socket_links() >= 1 and not os.path.lexists(link)
     finally:
         if os.path.lexists(link):
             os.unlink(link)
@@ -58,18 +58,18 @@ def test_a_short_root_is_its_own_socket_root_and_a_long_one_gets_a_short_link(tm
 def test_without_a_short_directory_the_error_names_path_limit_and_variable(tmp_path, monkeypatch):
     long_root = _long_dir(str(tmp_path), 200)
     nowhere = _long_dir(str(tmp_path), 120)  # a link base too long to help
-    monkeypatch.setattr(rt, "_link_bases", lambda: [nowhere])
+    monkeypatch.setattr(runtime_dir, "_link_bases", lambda: [nowhere])
     with pytest.raises(OSError) as info:
-        rt.socket_root(long_root)
+        runtime_dir.socket_root(long_root)
     msg = str(info.value)
     assert "\n" not in msg
-    assert long_root in msg and f"{rt.SUN_PATH_MAX - 1}-byte limit" in msg and "DSTL_RUNTIME_DIR" in msg
+    assert long_root in msg and f"{runtime_dir.SUN_PATH_MAX - 1}-byte limit" in msg and "DSTL_RUNTIME_DIR" in msg
     # a link directory of another mode (or owner) is refused, not used
-    monkeypatch.setattr(rt, "_link_bases", lambda: [str(tmp_path)])
+    monkeypatch.setattr(runtime_dir, "_link_bases", lambda: [str(tmp_path)])
     os.makedirs(tmp_path / f"dstl-sock-{os.getuid()}", mode=0o755)
     os.chmod(tmp_path / f"dstl-sock-{os.getuid()}", 0o755)
     with pytest.raises(OSError, match="DSTL_RUNTIME_DIR"):
-        rt.socket_root(long_root)
+        runtime_dir.socket_root(long_root)
 
 
 _CHILD = r"""
@@ -121,7 +121,7 @@ def test_process_mode_round_trip_under_a_200_character_tmpdir_and_runtime_dir(tm
                     pass
         shutil.rmtree(os.path.dirname(tmpdir), ignore_errors=True)
         shutil.rmtree(os.path.dirname(rundir), ignore_errors=True)
-        rt.sweep_socket_links()
+        runtime_dir.sweep_socket_links()
 
 
 def _service_dir(storage) -> str:

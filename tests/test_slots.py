@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import heavy_twins
-from dstl.changelog.upload.service.runtime import pid_alive
+from dstl.runtime_dir import pid_alive
 from dstl.spark import slot_client
 from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
 from dstl.spark.keyed import TaskReport, run_placed

@@ -97,7 +97,7 @@ def test_local_mode_keeps_every_subtask_warm_in_its_slot_and_survives_a_killed_s
         assert rep["continued"] and rep["restore_source"] == "memory", rep
         assert rep["pid"] == by[batch - 1, subtask]["pid"], (batch, subtask)
     # the slots whose task was killed are gone (the worker's slot exited by itself)
-    from dstl.changelog.upload.service.runtime import pid_alive
+    from dstl.runtime_dir import pid_alive
 
     assert not pid_alive(by[0, 0]["pid"]) and not pid_alive(by[1, 1]["pid"])
     # one INFO line per batch, naming each subtask's executor

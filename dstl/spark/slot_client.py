@@ -156,7 +156,7 @@ def slot_name(job_id: str, operator_id: str, subtask: int) -> str:
 
 def slots_dir() -> str:
     """`<runtime root>/_slots`, spelled short enough for its sockets (made 0700)."""
-    from dstl.changelog.upload.service.runtime import runtime_root, socket_root
+    from dstl.runtime_dir import runtime_root, socket_root
 
     d = os.path.join(socket_root(runtime_root()), DIR_NAME)
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -271,7 +271,7 @@ def evict_idle(keep: str) -> int:
 
 def connect(name: str) -> socket.socket:
     """A connection to slot `name`, started first if it does not run (one starter per name)."""
-    from dstl.changelog.upload.service.runtime import file_lock, pid_alive
+    from dstl.runtime_dir import file_lock, pid_alive
 
     p = paths(name)
     s = _connect(p["sock"])

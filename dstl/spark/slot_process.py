@@ -151,7 +151,7 @@ class Slot:
                 self._handle(conn, exiting=True)
 
     def _why_exit(self, inode: int, idle_s: float) -> str:
-        from dstl.changelog.upload.service.runtime import pid_alive
+        from dstl.runtime_dir import pid_alive
 
         if time.monotonic() - self.last_used > idle_s:
             return f"idle for {idle_s:.0f} s"

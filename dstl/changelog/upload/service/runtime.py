@@ -15,7 +15,7 @@ with different compression must not share files), hashed into a short key. Its d
 A Unix socket's path is limited to 108 bytes on Linux and 104 on macOS. Where the socket or the
 forkserver's listener below a service directory would be longer (a long `TMPDIR` or
 `DSTL_RUNTIME_DIR`), both are reached through a short symbolic link to the runtime directory,
-`/tmp/dstl-sock-<uid>/<16 hex>` (or below `$XDG_RUNTIME_DIR`; `socket_root`): the files stay in the
+`/tmp/dstl-sock-<uid>/<16 hex>` (or below `$XDG_RUNTIME_DIR`; dstl.runtime_dir.socket_root): the files stay in the
 service directory, only their spelling is short.
 
 Nothing is left behind (docs/service.md): a service that exits with an empty journal removes its
@@ -25,36 +25,23 @@ replays it.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
+
+from dstl.runtime_dir import (LINK_DIR_PREFIX, SOCKET_TAIL, SUN_PATH_MAX, file_lock, pid_alive,  # noqa: F401
+                              runtime_root, socket_root, sweep_socket_links)
 
 # Bumped whenever client and service messages change: other versions get a service of their own.
 PROTOCOL_VERSION = 3
 
 # Options that do not change what the service does (client-side only) are left out of the key.
 _CLIENT_ONLY = {"upload_mode", "cache_idle_timeout_ms", "preemptive_persist_threshold", "base_path"}
-
-
-def runtime_root() -> str:
-    """`$DSTL_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/dstl`, else `<tmp>/dstl-<uid>` (created 0700)."""
-    root = os.environ.get("DSTL_RUNTIME_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_RUNTIME_DIR")
-        root = os.path.join(xdg, "dstl") if xdg else os.path.join(tempfile.gettempdir(), f"dstl-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    st = os.stat(root)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"runtime directory {root} belongs to uid {st.st_uid}, not to this user")
-    return root
 
 
 def normalize_base_path(base_path: str) -> str:
@@ -91,92 +78,6 @@ def service_key(config) -> str:
 
 
 # sun_path holds 108 bytes on Linux, 104 on macOS and the BSDs, the terminating NUL included
-SUN_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
-# the longest socket path below a runtime root: "/<16 hex>/tmp/pymp-xxxxxxxx/listener-xxxxxxxx"
-# (multiprocessing's forkserver listener in the service's temporary directory)
-SOCKET_TAIL = len("/0123456789abcdef/tmp/pymp-12345678/listener-12345678")
-LINK_DIR_PREFIX = "dstl-sock-"
-
-
-def _fits(root: str) -> bool:
-    return len(os.fsencode(root)) + SOCKET_TAIL < SUN_PATH_MAX
-
-
-def _link_bases() -> list:
-    bases = []
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        bases.append(xdg)
-    bases.append("/tmp")
-    return bases
-
-
-def socket_root(root: str) -> str:
-    """`root` spelled short enough for every socket below it: `root` itself when it fits, else a
-    symbolic link to it, `<base>/dstl-sock-<uid>/<16 hex of root>`, in the first base of
-    `$XDG_RUNTIME_DIR` and /tmp where one can be kept (a directory of this user's, mode 0700).
-    Raises OSError, one line naming the path, the limit and the variable to set, if none can."""
-    if _fits(root):
-        return root
-    name = hashlib.sha256(os.fsencode(root)).hexdigest()[:16]
-    tried = []
-    for base in _link_bases():
-        link_dir = os.path.join(base, f"{LINK_DIR_PREFIX}{os.getuid()}")
-        link = os.path.join(link_dir, name)
-        tried.append(link_dir)
-        if not _fits(link):
-            continue
-        try:
-            _ensure_link(link_dir, link, root)
-        except OSError as exc:
-            _log().debug("no socket link in %s: %s", link_dir, exc)
-            continue
-        return link
-    longest = len(os.fsencode(root)) + SOCKET_TAIL
-    raise OSError(f"the upload service's sockets below {root} would be {longest} bytes long, over the "
-                  f"{SUN_PATH_MAX - 1}-byte limit of a Unix socket path, and no short link to it could be made "
-                  f"in {' or '.join(tried)}; set DSTL_RUNTIME_DIR to a directory of at most "
-                  f"{SUN_PATH_MAX - 1 - SOCKET_TAIL} characters")
-
-
-def _ensure_link(link_dir: str, link: str, target: str) -> None:
-    """`link` -> `target`, in `link_dir` (made 0700; refused unless it is this user's own directory)."""
-    os.makedirs(link_dir, mode=0o700, exist_ok=True)
-    st = os.lstat(link_dir)
-    import stat as _stat
-
-    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{link_dir} is not a directory of this user's with mode 0700")
-    try:
-        if os.readlink(link) == target:
-            return
-    except FileNotFoundError:
-        pass
-    tmp = f"{link}.{os.getpid()}.{secrets.token_hex(3)}"
-    os.symlink(target, tmp)
-    os.replace(tmp, link)  # atomic: a racing client sees the old link or the new one
-
-
-def sweep_socket_links() -> int:
-    """Remove this user's socket links whose runtime directory is gone; returns how many."""
-    removed = 0
-    for base in _link_bases():
-        link_dir = os.path.join(base, f"{LINK_DIR_PREFIX}{os.getuid()}")
-        try:
-            names = os.listdir(link_dir)
-        except OSError:
-            continue
-        for name in names:
-            link = os.path.join(link_dir, name)
-            if os.path.islink(link) and not os.path.exists(link):
-                try:
-                    os.unlink(link)
-                    removed += 1
-                except OSError:
-                    pass
-    return removed
-
-
 @dataclass(frozen=True)
 class ServicePaths:
     """The files of one service directory."""
@@ -260,49 +161,6 @@ class ServicePaths:
             return None
 
 
-@contextlib.contextmanager
-def file_lock(path: str, timeout_s: Optional[float] = None) -> Iterator[None]:
-    """An exclusive flock on `path` (released on exit, and by the kernel if the holder dies).
-
-    Held only once `path` still names the locked file: a lock file whose directory was removed
-    while this waited for it excludes nobody (the next opener makes a new one), so it is dropped
-    and `path` opened again (FileNotFoundError if its directory is gone)."""
-    import time
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"could not lock {path} within {timeout_s} s") from None
-                    time.sleep(0.01)
-            if _names(path, fd):
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    try:
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor drops the lock
-
-
-def _names(path: str, fd: int) -> bool:
-    """Whether `path` is the file open as `fd`."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
-
-
 TRASH_PREFIX = ".removed-"  # a service directory being deleted (see _remove_dir)
 
 
@@ -329,21 +187,6 @@ def _remove_dir(directory: str) -> None:
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a process with `pid` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 # a directory younger than this is never swept: a client may have just made it for a service it starts
