@@ -17,10 +17,16 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
+
+from dstl.changelog import local_recovery as lr
+from dstl.changelog.fs import protocol_of
+from dstl.changelog.storage import FsStateChangelogStorage
+from dstl.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +155,6 @@ def local_recovery_dirs() -> Tuple[Optional[str], Optional[str]]:
     storage opened with it sweeps the copies of owners that died. (None, None) when it is off or
     the directory cannot be used (local recovery only saves time)."""
     if _local["pid"] != os.getpid():  # also after a fork
-        from dstl.changelog import local_recovery as lr
-
         _local.update(pid=os.getpid(), root=None, owner=None)
         root = lr.configured_root()
         if root is not None:
@@ -165,10 +169,6 @@ def local_recovery_dirs() -> Tuple[Optional[str], Optional[str]]:
 def _wants_local_recovery(options: Mapping[str, Any]) -> bool:
     """By default only for a remote base path: a copy of a file on the same local disk saves no
     read, it only doubles the writes. ``$DSTL_LOCAL_RECOVERY_DIR`` set (not off) turns it on anyway."""
-    from dstl.changelog import local_recovery as lr
-    from dstl.changelog.fs import protocol_of
-    from dstl.config import StorageConfig
-
     if os.environ.get(lr.ENV, "").strip():
         return True
     return protocol_of(StorageConfig.of(options).base_path) not in ("file", "local")
@@ -177,8 +177,6 @@ def _wants_local_recovery(options: Mapping[str, Any]) -> bool:
 def storage_for(job_id: str, options: Mapping[str, Any]):
     """The worker's `FsStateChangelogStorage` for (job, options), created once and kept open, with
     local recovery into this process's owner directory (`local_recovery_dirs`)."""
-    from dstl.changelog.storage import FsStateChangelogStorage
-
     key = (job_id, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _storages_lock:
         storage = _storages.get(key)
@@ -203,8 +201,6 @@ def shutdown() -> None:
             log.warning("closing a changelog storage failed", exc_info=True)
     owner = _local["owner"] if _local["pid"] == os.getpid() else None
     if owner is not None:  # nobody restores from a finished worker's copies: remove them now
-        import shutil
-
         shutil.rmtree(owner, ignore_errors=True)
         _local.update(pid=None, root=None, owner=None)
 

@@ -48,8 +48,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
+
+from dstl.changelog.fs import filesystem
+from dstl.spark.session import executor_process
 
 ENV = "DSTL_FAULTS"
 ACTIONS = ("kill", "kill-executor", "raise", "stall")
@@ -126,8 +130,6 @@ def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = No
         if f.once is not None and not _claim(f.once):
             continue
         if f.action == "stall":  # nothing changes: `before` is for the moment of a crash
-            import time
-
             time.sleep(float(os.environ.get("DSTL_FAULTS_STALL_S", "20")))
             continue
         if before is not None:
@@ -143,8 +145,6 @@ def point(name: str, batch: Optional[int] = None, *, subtask: Optional[int] = No
 
 def _kill_executor() -> None:
     """SIGKILL the executor JVM among this process's ancestors (none in local mode)."""
-    from dstl.spark.session import executor_process
-
     pid = executor_process()[0]
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
@@ -152,8 +152,6 @@ def _kill_executor() -> None:
 
 def _claim(marker: str) -> bool:
     """Create `marker` (any fsspec URL); False if it already existed."""
-    from dstl.changelog.fs import filesystem
-
     fs, path = filesystem(marker)
     if fs.exists(path):
         return False

@@ -20,12 +20,12 @@ import json
 import posixpath
 from typing import Dict, List
 
+from dstl.changelog.fs import root_of
+
 __all__ = ["rewind_query_checkpoint"]
 
 
 def _fs(url: str):
-    from dstl.changelog.fs import root_of
-
     return root_of(url)
 
 

@@ -24,6 +24,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from dstl.changelog.fs import root_of
+from dstl.spark.sink import SINK_DIR
+from dstl.state.metadata import list_checkpoints, read_checkpoint
+from dstl.state.reader import StateReadError
+from dstl.state.relpaths import resolve
+
 log = logging.getLogger(__name__)
 
 ROLLBACK_FILE = "_dstl_rollback.json"
@@ -40,8 +46,6 @@ class RollbackResult:
 
 
 def _fs(url: str):
-    from dstl.changelog.fs import root_of
-
     return root_of(url)
 
 
@@ -60,9 +64,6 @@ def _mv(fs, src: str, dst: str) -> None:
 
 def roll_back(base_path: str, checkpoint_id: int, output_path: Optional[str]) -> RollbackResult:
     """Make `checkpoint_id` the job's latest checkpoint again (see the module docstring)."""
-    from dstl.state.metadata import list_checkpoints, read_checkpoint
-    from dstl.state.reader import StateReadError
-
     ids = list_checkpoints(base_path)
     if checkpoint_id not in ids:
         raise StateReadError(f"cannot roll back to checkpoint {checkpoint_id}: {base_path} retains "
@@ -87,8 +88,6 @@ def roll_back(base_path: str, checkpoint_id: int, output_path: Optional[str]) ->
 
 
 def _drop_sink_markers(base_path: str, first_batch: int) -> None:
-    from dstl.spark.sink import SINK_DIR
-
     fs, root = _fs(f"{base_path.rstrip('/')}/{SINK_DIR}")
     fs.invalidate_cache()
     try:
@@ -107,8 +106,6 @@ def _drop_sink_markers(base_path: str, first_batch: int) -> None:
 
 def finish_roll_back(base_path: str) -> Optional[RollbackResult]:
     """Carry out (again) a roll-back plan left at `base_path`; None if there is none."""
-    from dstl.state.relpaths import resolve
-
     fs, root = _fs(base_path)
     plan_file = f"{root}/{ROLLBACK_FILE}"
     fs.invalidate_cache()

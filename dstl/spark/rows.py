@@ -19,9 +19,17 @@ Only pure Python, pandas (per subtask) and pyarrow here; the state side is dstl.
 """
 from __future__ import annotations
 
+import datetime as _dt
 import functools
 import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from zoneinfo import ZoneInfo
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from pandas.api.types import infer_dtype
 
 __all__ = ["InputRows", "OutputRows", "row_class"]
 
@@ -32,7 +40,7 @@ def row_class(names: Tuple[str, ...]) -> type:
     one tuple copy, and `row.user`, `row["user"]`, `asDict()` and pickling behave as for any Row.
     `row.user` is a direct item lookup instead of Row's search of its field list; a name Row
     already answers itself (`count`, `index`, `asDict`, dunders) is left to Row, as in Spark."""
-    from pyspark.sql import Row
+    from pyspark.sql import Row  # PySpark
 
     def getter(i: int):
         return property(lambda row: tuple.__getitem__(row, i))  # Row.__getitem__ is Python, slower
@@ -49,8 +57,7 @@ def row_class(names: Tuple[str, ...]) -> type:
 def _column_values(series, dtype, tz: Optional[str]) -> List[Any]:
     """One column as the Python values Spark's Row mode hands out for `dtype` (a Spark DataType;
     None: what the pandas column holds)."""
-    import numpy as np
-    from pyspark.sql import types as T
+    from pyspark.sql import types as T  # PySpark
 
     arr = series.to_numpy()
     kind = arr.dtype.kind
@@ -72,8 +79,7 @@ def _column_values(series, dtype, tz: Optional[str]) -> List[Any]:
         return _timestamps(series, isinstance(dtype, T.TimestampType) and tz or None)
     if dtype is not None and isinstance(dtype, (T.ArrayType, T.MapType, T.StructType)):
         # nested values (numpy arrays, dicts) -> what pyarrow's as_py gives: lists, dicts, pairs
-        import pyarrow as pa
-        from pyspark.sql.pandas.types import to_arrow_type
+        from pyspark.sql.pandas.types import to_arrow_type  # PySpark
 
         try:
             return pa.array(series, type=to_arrow_type(dtype), from_pandas=True).to_pylist()
@@ -92,16 +98,8 @@ def _timestamps(series, tz: Optional[str]) -> List[Any]:
     """Naive datetime64 values -> `datetime`s: aware in `tz` (Spark's TimestampType: the values are
     local times of the session time zone), naive without `tz` (TimestampNTZType). Localised by
     pyarrow in one vectorised call; pandas' own tz_localize with a ZoneInfo is 20x slower."""
-    import datetime as _dt
-
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     null = series.isna().to_numpy()
     if tz:
-        from zoneinfo import ZoneInfo
-
         aware = pc.assume_timezone(pa.array(series), timezone=tz, ambiguous="earliest", nonexistent="earliest")
         us = aware.cast(pa.timestamp("us", tz)).cast(pa.int64()).fill_null(0).to_numpy()
         zone, at = ZoneInfo(tz), _dt.datetime.fromtimestamp
@@ -122,8 +120,6 @@ def _per_distinct(us, make) -> List[Any]:
     """`make(u)` for every int in `us`, called once per distinct value when values repeat (at most
     half are distinct), the result shared by the rows that carry it (datetimes are immutable): event
     times repeat a lot within a batch, and building the datetime is most of the cost."""
-    import numpy as np
-
     uniq, inverse = np.unique(us, return_inverse=True)
     if 2 * len(uniq) > len(us):  # mostly distinct: the gather would cost more than it saves
         return [make(u) for u in us.tolist()]
@@ -136,13 +132,9 @@ def _key_order(keys) -> Tuple[Any, List[int]]:
     distinct key's run in that order, plus the end). Keys are hashed into codes in sorted order
     (pandas.factorize) and the int codes sorted, several times faster than sorting an object array
     of strings; keys factorize cannot order as numpy does (nulls, mixed types) take numpy's sort."""
-    import numpy as np
-
     n = len(keys)
     codes = None
     if keys.dtype.kind in "iub" or (keys.dtype.kind == "O" and _all_str(keys)):
-        import pandas as pd
-
         codes, uniq = pd.factorize(keys, sort=True)
         if len(codes) and codes.min() < 0:
             codes = None
@@ -160,8 +152,6 @@ def _key_order(keys) -> Tuple[Any, List[int]]:
 
 
 def _all_str(values) -> bool:
-    from pandas.api.types import infer_dtype
-
     return infer_dtype(values, skipna=False) == "string"
 
 
@@ -215,7 +205,7 @@ class InputRows:
 
 def _plain(v: Any) -> Any:
     """Nested Rows as dicts (Spark converts output Rows with asDict(recursive=True))."""
-    from pyspark.sql import Row
+    from pyspark.sql import Row  # PySpark
 
     if isinstance(v, Row):
         return v.asDict(True) if hasattr(v, "__fields__") else tuple(_plain(x) for x in v)
@@ -230,7 +220,7 @@ class OutputRows:
     """The Rows one subtask's handlers yield, as one Arrow record batch of `arrow_schema`."""
 
     def __init__(self, arrow_schema):
-        from pyspark.sql import Row
+        from pyspark.sql import Row  # PySpark
 
         self._row = Row
         self.schema = arrow_schema
@@ -275,8 +265,6 @@ class OutputRows:
 
     def to_batch(self):
         """One `pyarrow.RecordBatch` of every gathered Row (None when there is none)."""
-        import pyarrow as pa
-
         if not self.rows:
             return None
         cols = self._columns()
@@ -294,8 +282,6 @@ class OutputRows:
 
 
 def _fits(v: Any, arrow_type) -> bool:
-    import pyarrow as pa
-
     try:
         pa.array([v], type=arrow_type)
         return True

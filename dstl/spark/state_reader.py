@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, TIMER_STATE, StateReadError, change_rows,
-                               expand_values, first_look, key_group_ranges, new_entries, open_checkpoint,
+import pandas as pd
+
+from dstl.spark.keys import display_key, job_key_columns
+from dstl.spark.session import default_parallelism, ensure_importable_on_workers
+from dstl.state.reader import (CHANGE_COLUMNS, STATE_COLUMNS, TIMER_STATE, StateReadError, change_rows, expand_values,
+                               first_look, key_group_ranges, new_entries, open_checkpoint, open_checkpoint as _open,
                                restored_range, state_rows, state_schema, to_json)
 from dstl.types import KeyGroupRange
 
@@ -46,10 +50,6 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     `value`. Expired TTL values (at `now_ms`, default now) are left out. `tasks`: key-group ranges
     read in parallel (default: the larger of the checkpoint's parallelism and Spark's default
     parallelism)."""
-    import pandas as pd
-
-    from dstl.spark.session import default_parallelism, ensure_importable_on_workers
-
     meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
     names, key_type = first_look(meta, storage_options, options)
     if state_name is not None and state_name not in names:
@@ -63,14 +63,12 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     ensure_importable_on_workers(spark)
     cid = meta.checkpoint_id
     declared = state_schema(meta, state_name)
-    from dstl.spark.keys import job_key_columns
-
     composite = job_key_columns(base_path, storage_options) is not None
     if composite:  # several key columns: the key shown as its values, a JSON list (dstl.spark.keys)
         key_type = str
     ddl = _schema(key_type, STATE_COLUMNS)
     if declared is not None:
-        from pyspark.sql.types import StructType
+        from pyspark.sql.types import StructType  # PySpark
 
         fields = StructType.fromJson(meta.properties["state_schemas"][state_name]["value"])
         ddl = _schema(key_type, STATE_COLUMNS[:-1]) + ", " + ", ".join(
@@ -80,16 +78,12 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
     def frame(rows):
         df = pd.DataFrame(rows, columns=STATE_COLUMNS)
         if composite:
-            from dstl.spark.keys import display_key
-
             df["key"] = df["key"].map(display_key)
         return expand_values(df, *state_schema(m_holder[0], state_name)) if declared is not None else df
 
     m_holder: List[Any] = []
 
     def task(batches):  # pragma: no cover - runs in the Python worker
-        from dstl.state.reader import open_checkpoint as _open
-
         m_holder[:] = [_open(base_path, cid, storage_options=storage_options)]
         enc = None if declared is not None else to_json
         for pdf in batches:
@@ -111,7 +105,7 @@ def read_state(spark, base_path: str, state_name: Optional[str] = None, *, check
 def read_timers(spark, base_path: str, *, checkpoint_id: Optional[int] = None, tasks: Optional[int] = None,
                 storage_options: Optional[Dict[str, Any]] = None, options: Optional[Dict[str, Any]] = None):
     """The registered timers of a checkpoint as a Spark DataFrame: key, key_group, timestamp_ms."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # PySpark
 
     meta = open_checkpoint(base_path, checkpoint_id, storage_options=storage_options)
     names, key_type = first_look(meta, storage_options, options)
@@ -126,17 +120,11 @@ def read_timers(spark, base_path: str, *, checkpoint_id: Optional[int] = None, t
 
 def _all_state_names(spark, base_path, meta, serializers, storage_options, options) -> Dict[str, str]:
     """Every state's name and kind, found by the executors (the driver reads no changelog)."""
-    import pandas as pd
-
-    from dstl.spark.session import ensure_importable_on_workers
-
     ranges = [s.key_group_range for s in meta.subtasks if not s.key_group_range.is_empty()]
     ensure_importable_on_workers(spark)
     cid = meta.checkpoint_id
 
     def task(batches):  # pragma: no cover - runs in the Python worker
-        from dstl.state.reader import open_checkpoint as _open
-
         m = _open(base_path, cid, storage_options=storage_options)
         for pdf in batches:
             for i in pdf["id"].tolist():
@@ -158,18 +146,12 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
     checkpoint_id (the first checkpoint holding the change), key, key_group, state, op (update,
     clear, add, add_all, put, put_all, remove), user_key (JSON), value (JSON). One task per
     (checkpoint, changelog handle); both checkpoints must be retained."""
-    import pandas as pd
-
-    from dstl.spark.session import ensure_importable_on_workers
-
     work = [(cid, hb, entries) for cid, per_subtask in new_entries(base_path, from_checkpoint, to_checkpoint,
                                                                    storage_options=storage_options)
             for _, _, hb, entries in per_subtask]
     meta = open_checkpoint(base_path, to_checkpoint, storage_options=storage_options)
     _, key_type = first_look(meta, storage_options, options)
     ensure_importable_on_workers(spark)
-    from dstl.spark.keys import job_key_columns
-
     composite = job_key_columns(base_path, storage_options) is not None
     if composite:  # several key columns: the key shown as its values, a JSON list, as read_state does
         key_type = str
@@ -186,8 +168,6 @@ def read_changes(spark, base_path: str, from_checkpoint: int, to_checkpoint: int
                 if rows:
                     df = pd.DataFrame(rows, columns=CHANGE_COLUMNS)
                     if composite:
-                        from dstl.spark.keys import display_key
-
                         df["key"] = df["key"].map(display_key)
                     yield df
 
