@@ -40,7 +40,7 @@ def batch_df(spark, b: int, rows: int, keys: int, payload: int, growing: bool = 
 
 def probe_broadcast(spark, df, parallelism: int) -> str:
     """'' if Spark broadcast `df` to a placed stage, else the first line of its error."""
-    from dstl.spark.keyed import SUBTASK_COL
+    from dstl.spark.routing import SUBTASK_COL
     from dstl.spark.session import SubtaskStage
     from pyspark.sql import functions as F
 

@@ -90,7 +90,7 @@ class _Counter(StatefulProcessor):
 
 
 def test_late_rows_are_those_at_or_before_the_late_events_watermark(storage):
-    from dstl.spark import keyed as K
+    from dstl.spark import task as K
     from dstl.spark.processor import BatchContext, make_task_fn
 
     ctx = BatchContext(1_000, 50_000, "EventTime", late_watermark_ms=20_000)
@@ -141,7 +141,7 @@ class _Deleting(StatefulProcessor):
 
 
 def test_a_deleted_state_raises_on_every_call_as_spark_does(storage):
-    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.task import arrow_output_schema as _arrow_output_schema
     from dstl.spark.processor import BatchContext, run_processor
     from dstl.state.schema import parse_ddl
 
@@ -203,7 +203,7 @@ def test_nested_structs_come_back_as_rows_with_every_type(storage):
 @pytest.mark.parametrize("api", ["pandas", "row"])
 def test_two_key_columns_reach_the_processor_as_spark_passes_them(storage, api):
     from conform_processors import TwoKeyTotals
-    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.task import arrow_output_schema as _arrow_output_schema
     from dstl.spark.keys import KEY_COL, pack_columns
     from dstl.spark.processor import BatchContext, run_processor
     from dstl.state.schema import parse_ddl
@@ -246,7 +246,7 @@ def test_composite_keys_pack_deterministically_and_spread_over_key_groups():
 def test_naive_output_timestamps_are_session_local_as_spark_takes_them():
     from pyspark.sql.types import StringType, StructField, StructType, TimestampNTZType, TimestampType
 
-    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.task import arrow_output_schema as _arrow_output_schema
     from dstl.spark.processor import BatchContext, session_timestamps
 
     schema = StructType([StructField("id", StringType()), StructField("t", TimestampType()),

@@ -79,7 +79,8 @@ def _report(storage_opts, coord, plan, subtask: int, value: int):
     """A real task body's report without Spark: run_subtask on a one-row batch."""
     import pyarrow as pa
 
-    from dstl.spark.keyed import TaskReport, run_subtask
+    from dstl.spark.report import TaskReport
+    from dstl.spark.task import run_subtask
 
     rows = pd.DataFrame({"key": [subtask]}, dtype="int64")
 

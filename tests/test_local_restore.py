@@ -14,7 +14,7 @@ import pytest
 from dstl.changelog import local_recovery as lr
 from dstl.changelog.storage import open_storage
 from dstl.changelog.upload.service.runtime import sweep_download_caches
-from dstl.spark.keyed import restore_preferring_local
+from dstl.spark.restore import restore_preferring_local
 from dstl.state.backend import KeyedStateBackend
 from dstl.types import KeyGroupRange
 

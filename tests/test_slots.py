@@ -22,7 +22,8 @@ from conftest import heavy_twins
 from dstl.runtime_dir import pid_alive
 from dstl.spark import slot_client
 from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
-from dstl.spark.keyed import TaskReport, run_placed
+from dstl.spark.report import TaskReport
+from dstl.spark.task import run_placed
 
 SCHEMA = pa.schema([("key", pa.int64()), ("count", pa.int64())])
 
@@ -185,7 +186,7 @@ def test_a_slot_whose_worker_dies_mid_task_exits_without_its_state(slot_env, tmp
     worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import pickle, sys, time
         import pandas as pd
-        from dstl.spark.keyed import run_placed
+        from dstl.spark.task import run_placed
         plan, schema, marker = pickle.loads(sys.stdin.buffer.read())
         def slow(rows, state):
             state.value_state("n").update(1, 1000)
@@ -256,7 +257,7 @@ def gc_fn(rows, state):
     import weakref
 
     from dstl.spark import heap
-    from dstl.spark.keyed import task_metrics
+    from dstl.spark.task import task_metrics
 
     step = int(rows["key"].iloc[0])
     m = task_metrics()

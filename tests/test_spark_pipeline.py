@@ -324,7 +324,7 @@ def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     from dstl.app.activity import compare_output, compare_state, output_ddl, reference, user_activity
     from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
     from dstl.spark.job import StatefulJob
-    from dstl.spark.keyed import TaskReport, stateful_map_in_pandas_local
+    from dstl.spark.batch import run_batch
     from dstl.app.source import SyntheticSource
 
     base = str(tmp_path / "job")
@@ -335,11 +335,17 @@ def test_abandoned_checkpoint_is_never_continued_from_memory(spark, tmp_path):
     job = StatefulJob(coord, user_activity, output_ddl(), key="user_id", parallelism=2,
                       order_by=["ts", "event_id"], spark=spark, events_schema=schema)
     assert job.run_batch(source.batch(0)).cache_hits == 0
-    plan = coord.plan(1, 2)
-    abandoned = [TaskReport.from_row(r) for r in stateful_map_in_pandas_local(
-        spark, source.batch(1), user_activity, output_ddl(), key="user_id", parallelism=2, max_parallelism=128,
-        checkpoint=plan, order_by=["ts", "event_id"], events_schema=schema, stage=job._stage).collect()]
-    assert len(abandoned) == 2
+    abandoned = []
+
+    def abandon(reports):  # the tasks ran; the driver fails before the checkpoint completes
+        abandoned.extend(reports)
+        raise RuntimeError("the driver never completes checkpoint 2")
+
+    with pytest.raises(RuntimeError, match="never completes"):
+        run_batch(coord, source.batch(1), user_activity, output_ddl(), key="user_id", parallelism=2,
+                  stage_for=lambda _: job._stage, spark=spark, order_by=["ts", "event_id"], events_schema=schema,
+                  properties=abandon)
+    assert len(abandoned) == 2 and coord.latest.checkpoint_id == 1
     # the workers now hold backends at the abandoned checkpoint 2 (or at checkpoint 1, a worker whose
     # subtask ran in the executor's other worker): continuing one at 2 would apply batch 1 twice,
     # which the state and output comparison below would show

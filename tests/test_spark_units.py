@@ -13,7 +13,7 @@ from dstl.app.activity import compare_output, compare_state, reference, user_act
 from dstl.spark.memory import MemoryState
 from dstl.spark.cache import StateCache
 from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
-from dstl.spark.keyed import partition_salts, spark_hash_int
+from dstl.spark.routing import partition_salts, spark_hash_int
 from dstl.app.source import FileSource, SyntheticSource, batch_bounds
 from dstl.state.backend import KeyedStateBackend
 from dstl.changelog.storage import FsStateChangelogStorage
@@ -165,7 +165,7 @@ def test_coordinator_refuses_another_job_and_bad_resume(tmp_path):
 
 def test_coordinator_commit_is_idempotent_and_recovers(tmp_path):
     """Checkpoint written, output not committed (a crash): reopening commits it exactly once."""
-    from dstl.spark.keyed import TaskReport
+    from dstl.spark.report import TaskReport
 
     base = str(tmp_path / "base")
     opts = StorageConfig(base_path=base).to_mapping()

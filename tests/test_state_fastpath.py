@@ -51,7 +51,7 @@ class _PandasTotals(_RowTotals):
 
 
 def _ctx(api, user_type):
-    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.task import arrow_output_schema as _arrow_output_schema
     from dstl.spark.processor import BatchContext
     from dstl.state.schema import parse_ddl
 

@@ -41,7 +41,7 @@ def _backend(storage, name="op"):
 
 def _ctx(ts_ms, output, *, api="row", watermark=0, time_mode="None", initial=None, initial_schema=None,
          input_schema=EVENTS_SCHEMA + ", ts timestamp", tz="UTC"):
-    from dstl.spark.keyed import _arrow_output_schema
+    from dstl.spark.task import arrow_output_schema as _arrow_output_schema
     from dstl.spark.processor import BatchContext
     from dstl.state.schema import parse_ddl
 

@@ -1,5 +1,5 @@
 """One run of a job that writes checkpoints, without Spark: the driver's CheckpointCoordinator and the
-real task body (dstl.spark.keyed.run_subtask) in one process. Two of these started at once on one
+real task body (dstl.spark.task.run_subtask) in one process. Two of these started at once on one
 base path are two concurrent writers (tests/test_fencing.py).
 
     python writer_race.py BASE BATCHES BARRIER_DIR NAME [RUNS]
@@ -77,7 +77,8 @@ def run(base: str, batches: int, barrier: str, name: str, runs: int = 2) -> int:
 
     from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
     from dstl.spark.coordinator import CheckpointCoordinator
-    from dstl.spark.keyed import TaskReport, run_subtask
+    from dstl.spark.report import TaskReport
+    from dstl.spark.task import run_subtask
     from dstl.state.fencing import BasePathInUseError
 
     schema = pa.schema([("key", pa.int64()), ("count", pa.int64())])

@@ -530,10 +530,10 @@ def _finish(args, coord, source, report: Report) -> Report:
 def read_checkpoint_state(coord, meta) -> Dict[Any, Dict[str, Any]]:
     """Restore every subtask of checkpoint `meta` on the driver and read the whole state back."""
     from dstl.app.activity import read_state
-    from dstl.spark.keyed import _state_api, subtask_state_to_snapshot
     from dstl.changelog.storage import FsStateChangelogStorage
+    from dstl.spark.restore import subtask_state_to_snapshot
+    from dstl.state.backend import KeyedStateBackend
 
-    KeyedStateBackend, _ = _state_api()
     state: Dict[Any, Dict[str, Any]] = {}
     with FsStateChangelogStorage(coord.storage_config.replace(upload_mode="direct"),
                                  job_id=coord.spec.job_id) as storage:

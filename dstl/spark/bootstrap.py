@@ -11,6 +11,20 @@ from __future__ import annotations
 import uuid
 from typing import Any, Dict, Optional, Sequence
 
+import pandas as pd
+
+from dstl.changelog.fs import root_of
+from dstl.changelog.storage import FsStateChangelogStorage
+from dstl.config import storage_config
+from dstl.keygroups import compute_default_max_parallelism, compute_key_group_range_for_operator_index
+from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, JobConflictError, JobSpec
+from dstl.spark.keyed import with_subtask
+from dstl.spark.routing import SUBTASK_COL, NullKeyError
+from dstl.spark.session import ensure_importable_on_workers, struct_from_ddl
+from dstl.state import KeyedStateBackend, KeyedStateSnapshot
+from dstl.state.metadata import CheckpointMetadata, SubtaskState, list_checkpoints, write_checkpoint
+from dstl.state.schema import StateSchema
+
 __all__ = ["bootstrap_state"]
 
 BOOTSTRAP_OPERATOR = "dstl-bootstrap"
@@ -20,9 +34,7 @@ def _fields(schema: Any):
     """Field names of a DDL string / StructType, or None."""
     if schema is None:
         return None
-    from pyspark.sql.types import StructType
-
-    from dstl.spark.session import struct_from_ddl
+    from pyspark.sql.types import StructType  # PySpark
 
     if isinstance(schema, str):
         schema = struct_from_ddl(schema)
@@ -37,8 +49,6 @@ def _schema_record(state_name: str, schema: Any) -> Dict[str, Any]:
     declared schema against it (dstl.state.evolution)."""
     if schema is None:
         return {}
-    from dstl.state.schema import StateSchema
-
     return {state_name: StateSchema(state_name, "value", schema).to_record()}
 
 
@@ -57,14 +67,6 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     StatefulStream records it. `storage_options`: the file system's keyword arguments (key, secret,
     client_kwargs, ...); `options`: dstl's storage options. Returns the checkpoint's metadata.
     """
-    import pandas as pd
-
-    from dstl.keygroups import compute_default_max_parallelism
-    from dstl.spark.coordinator import CheckpointCoordinator, JobConflictError, JobSpec
-    from dstl.spark.keyed import SUBTASK_COL, with_subtask
-    from dstl.spark.session import ensure_importable_on_workers
-    from dstl.state.metadata import CheckpointMetadata, SubtaskState, list_checkpoints, write_checkpoint
-
     if key not in df.columns:
         raise ValueError(f"key column {key!r} not in the DataFrame (columns: {', '.join(df.columns)})")
     fields = _fields(schema)
@@ -80,10 +82,6 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     maxp = max_parallelism or compute_default_max_parallelism(parallelism)
     if not isinstance(parallelism, int) or not 1 <= parallelism <= maxp:
         raise ValueError(f"parallelism must be in 1..{maxp} (max parallelism), got {parallelism!r}")
-    from dstl.changelog.fs import root_of
-    from dstl.config import storage_config
-    from dstl.spark.coordinator import JOB_FILE
-
     # registers the file system's arguments before the first look at the base path
     config = storage_config(base_path, options, storage_options).replace(upload_mode="direct")
 
@@ -99,14 +97,14 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
     routed = keyed.repartition(parallelism, SUBTASK_COL)
 
     def task(batches):  # pragma: no cover - runs in the Python worker
-        from dstl.changelog.storage import FsStateChangelogStorage
-        from dstl.keygroups import compute_key_group_range_for_operator_index
-        from dstl.state import KeyedStateBackend
-
         frames = [b for b in batches if len(b)]
         if not frames:
             return
         rows = pd.concat(frames, ignore_index=True)
+        nulls = int(rows[key].isna().sum())  # they ride with subtask 0 (dstl.spark.routing.subtask_of)
+        if nulls:
+            raise NullKeyError(f"key column {key!r} has {nulls} null value(s) in the bootstrap DataFrame; "
+                               f"keys must not be null")
         dup = rows[key].duplicated()
         if dup.any():
             raise ValueError(f"key {rows[key][dup].iloc[0]!r} occurs more than once in the bootstrap DataFrame")
@@ -129,9 +127,6 @@ def bootstrap_state(spark, df, base_path: str, *, key: str, state_name: str, sch
                 yield pd.DataFrame({"subtask": [int(sub)], "snapshot": [snap.to_bytes()]})
 
     reports = routed.mapInPandas(task, "subtask int, snapshot binary").collect()
-    from dstl.keygroups import compute_key_group_range_for_operator_index
-    from dstl.state import KeyedStateSnapshot
-
     snaps = {r["subtask"]: KeyedStateSnapshot.from_bytes(bytes(r["snapshot"])) for r in reports}
     subtasks = [SubtaskState.from_keyed_snapshot(i, snaps[i]) if i in snaps else
                 SubtaskState(i, compute_key_group_range_for_operator_index(maxp, parallelism, i))

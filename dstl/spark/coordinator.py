@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from dstl.spark import faults
-from dstl.spark.keyed import CheckpointPlan, TaskReport, snapshot_to_subtask_state
+from dstl.spark.plan import CheckpointPlan
+from dstl.spark.report import TaskReport, snapshot_to_subtask_state
 from dstl.spark.placement import log_batch
 from dstl.state.composite_keys import JOB_FILE  # noqa: F401 - the job file, named below this layer
 from dstl.state.relpaths import relative_to, resolve

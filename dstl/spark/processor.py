@@ -691,7 +691,7 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
 
     import numpy as np
 
-    from dstl.spark import keyed as K
+    from dstl.spark import task as K
 
     vectorised = not is_stateful_processor(processor)
     ts = ctx.batch_timestamp_ms

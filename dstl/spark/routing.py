@@ -16,6 +16,24 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
+import numpy as np
+import pandas as pd
+
+from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
+
+#: a row's logical subtask (Flink's operator index of its key's key group)
+SUBTASK_COL = "_dstl_subtask"
+#: arrival order: a join or a shuffle hands a subtask's rows over in another order, so tasks sort by it
+SEQ_COL = "_dstl_seq"
+#: a batch row's salt: the shuffle route hash-partitions the batch by it, as the anchor is
+SALT_COL = "_dstl_salt"
+
+
+
+class NullKeyError(ValueError):
+    """The key column holds nulls (and null_keys='drop' was not given)."""
+
+
 SHUFFLE = "shuffle"
 BROADCAST = "broadcast"
 ROUTES = (SHUFFLE, BROADCAST)
@@ -60,10 +78,32 @@ def partition_salts(parallelism: int) -> List[int]:
     return salts  # type: ignore[return-value]
 
 
+def subtask_of(keys: Any, max_parallelism: int, parallelism: int, null: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each key's logical subtask as int32: its Flink key group (dstl.keygroups), then the operator
+    index owning that group at `parallelism`. The one null-key rule: a null key rides with subtask 0,
+    whose task counts it; the front door then raises or drops (docs/streaming.md, "Null keys").
+
+    `keys`: a pandas Series or anything pandas makes one of. `null`: which keys are null, when the
+    caller knows better than the values (an integer column whose nulls were filled in, so it never
+    passed through float). An integer column that holds nulls may arrive from Arrow as float; its
+    other values are its integers again (exact up to 2**53)."""
+    keys = keys if isinstance(keys, pd.Series) else pd.Series(keys)
+    null = keys.isna().to_numpy() if null is None else np.asarray(null, dtype=bool)
+    out = np.zeros(len(keys), dtype=np.int32)
+    if null.all():
+        return out
+    values = keys[~null] if null.any() else keys
+    if null.any() and values.dtype.kind == "f":
+        values = values.astype("int64")
+    out[~null] = operator_indices_for_key_groups(assign_key_groups(values, max_parallelism), max_parallelism,
+                                                 parallelism)
+    return out
+
+
 def salt_column(subtask, parallelism: int):
     """The Spark column of the salt that routes a row of subtask `subtask` (a Column) to partition
     `subtask` under ``repartition(parallelism, salt)``."""
-    from pyspark.sql import functions as F
+    from pyspark.sql import functions as F  # PySpark: imported where a Spark column is built
 
     return F.element_at(F.array(*[F.lit(s) for s in partition_salts(parallelism)]), subtask + 1)
 
@@ -82,3 +122,17 @@ def choose_route(batch: Any, route: Optional[str] = None) -> str:
     if shallow > BROADCAST_MAX_BYTES:
         return SHUFFLE
     return BROADCAST if int(batch.memory_usage(index=False, deep=True).sum()) <= BROADCAST_MAX_BYTES else SHUFFLE
+
+
+def route_batch(batch, subtask_col: str, parallelism: int, route: str = SHUFFLE):
+    """`batch` (a Spark DataFrame with `subtask_col`) made ready to reach its subtasks' partitions:
+    ``shuffle`` adds the salt and ``repartition(parallelism, salt)``-s by it (partition i then holds
+    subtask i's rows); ``broadcast`` marks it for a broadcast join. The one place a route is built."""
+    from pyspark.sql import functions as F  # PySpark: imported where a Spark plan is built
+
+    if route == BROADCAST:
+        return F.broadcast(batch)
+    if route == SHUFFLE:
+        return batch.withColumn(SALT_COL, salt_column(F.col(subtask_col), parallelism)).repartition(
+            parallelism, F.col(SALT_COL))
+    raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")

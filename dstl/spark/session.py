@@ -51,14 +51,14 @@ import logging
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from dstl.spark.routing import BROADCAST, SALT_COL, route_batch, salt_column
+
 log = logging.getLogger(__name__)
 
 #: the anchor's column: the subtask a partition stands for
 ANCHOR_COL = "_dstl_anchor"
 #: the anchor's salt, by which it is hash-partitioned (partition i holds subtask i's salt)
 ANCHOR_SALT_COL = "_dstl_anchor_salt"
-#: a batch row's salt: the shuffle route hash-partitions the batch by it, as the anchor is
-SALT_COL = "_dstl_salt"
 
 #: environment variables the Python workers get from the driver
 FORWARDED_ENV_PREFIXES = ("DSTL_", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "FSSPEC_")
@@ -92,12 +92,12 @@ def default_parallelism(spark) -> int:
 def struct_from_ddl(ddl: str):
     """A DDL string ("a int, b string") as a StructType. Spark 4 has `StructType.fromDDL`; Spark 3.5
     has not, and there the active SparkContext's own parser does it (so only with a session)."""
-    from pyspark.sql.types import StructType
+    from pyspark.sql.types import StructType  # PySpark
 
     from_ddl = getattr(StructType, "fromDDL", None)
     if from_ddl is not None:
         return from_ddl(ddl)
-    from pyspark.sql.types import _parse_datatype_string
+    from pyspark.sql.types import _parse_datatype_string  # PySpark
 
     return _parse_datatype_string(ddl)
 
@@ -129,7 +129,7 @@ def ensure_importable_on_workers(spark) -> None:
     PYTHONPATH Spark hands to the Python workers it starts. On a real cluster install the package on
     every executor (see docs/spark.md, "A real cluster").
     """
-    import dstl
+    import dstl  # the package's root is the entry layer, above this one: read here, when called
 
     env = _worker_env(spark)
     if env is None:
@@ -257,9 +257,7 @@ class SubtaskStage:
         return self._anchor
 
     def _plan(self, spark):
-        from pyspark.sql import functions as F
-
-        from dstl.spark.routing import salt_column
+        from pyspark.sql import functions as F  # PySpark
 
         p = self.parallelism
         ids = spark.range(0, p, 1, numPartitions=p)
@@ -278,7 +276,7 @@ class SubtaskStage:
             self._view = self._plan(spark)
 
     def _place(self):
-        from pyspark import StorageLevel
+        from pyspark import StorageLevel  # PySpark
 
         df = self._plan(self.spark).persist(StorageLevel.MEMORY_ONLY)
         # materialise: P tasks with no preference, which the scheduler hands to free cores; with tiny
@@ -290,11 +288,11 @@ class SubtaskStage:
     def where(self) -> Dict[int, str]:
         """Subtask -> the executor its anchor block is on (a tiny job over the cached anchor, which
         runs where the blocks are)."""
-        def probe(batches):  # pragma: no cover - runs in the Python worker
-            import pandas as pd
-            from pyspark import TaskContext
+        def probe(batches):  # pragma: no cover - runs in the Python worker, shipped by value
+            import pandas as pd  # imported in the worker that runs it
+            from pyspark import TaskContext  # PySpark
 
-            from dstl.spark.session import executor_id
+            from dstl.spark.session import executor_id  # in the worker: this module, imported there
 
             for _ in batches:
                 pass
@@ -313,26 +311,19 @@ class SubtaskStage:
         columns for a subtask without rows). `route`: "shuffle" (each row moves once, executor to
         executor) or "broadcast" (the whole batch to every executor, through the driver; for small
         driver-held batches). Evaluate it once."""
-        from pyspark.sql import functions as F
+        from pyspark.sql import functions as F  # PySpark
 
-        from dstl.spark.routing import BROADCAST, SHUFFLE, salt_column
-
-        anchor = self.anchor()
-        if self._view is not None:
-            anchor = self._view
+        routed = route_batch(batch, subtask_col, self.parallelism, route)
+        anchor = self.anchor() if self._view is None else self._view
         if route == BROADCAST:
-            joined = anchor.join(F.broadcast(batch), F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
-        elif route == SHUFFLE:
-            p = self.parallelism
-            routed = batch.withColumn(SALT_COL, salt_column(F.col(subtask_col), p)).repartition(p, F.col(SALT_COL))
+            joined = anchor.join(routed, F.col(ANCHOR_COL) == F.col(subtask_col), "left_outer")
+        else:
             # A sort-merge join, by hint: AQE would broadcast a small batch otherwise, and a shuffled
             # hash join feeds the shuffle reader straight into the zipped partition, whose
             # map-output host preference then wins over the anchor's cached block (NODE_LOCAL: any
             # executor of the host). The sort in front of each side leaves the zip no preference
             # of its own, so the scheduler finds the anchor's block (docs/spark.md, "Placement").
             joined = anchor.join(routed.hint("merge"), F.col(ANCHOR_SALT_COL) == F.col(SALT_COL), "left_outer")
-        else:
-            raise ValueError(f"route must be 'shuffle' or 'broadcast', got {route!r}")
         return joined.mapInPandas(task, schema)
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ kept in a worker would be warm only when the subtask lands in that same worker a
 in a *slot* instead (Flink's task slot): one long-lived process per (job, operator, subtask) on the
 host, started by the first worker that runs a task of that subtask. The task's worker sends the
 slot its rows over a Unix socket and gets the task report back; the slot runs the task body
-(`dstl.spark.keyed.run_subtask`) with its own state cache (dstl.spark.cache), so a subtask continues
+(`dstl.spark.task.run_subtask`) with its own state cache (dstl.spark.cache), so a subtask continues
 from memory in whichever worker, of whichever executor on the host, Spark runs it.
 
 This module is the worker's side (find or start the slot, send, receive) and the wire format both
@@ -32,9 +32,13 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from dstl.runtime_dir import file_lock, pid_alive, runtime_root, socket_root
+from dstl.spark.session import FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV
 
 ENV_SWITCH = "DSTL_SPARK_SLOTS"
 #: a slot that has not served a task for this long may be asked to exit when too many are alive
@@ -108,7 +112,7 @@ def dumps(obj: Any, by_value: bool = False) -> Tuple[bytes, List[memoryview]]:
         return False
 
     if by_value:
-        from pyspark import cloudpickle
+        from pyspark import cloudpickle  # PySpark
 
         data = cloudpickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
     else:
@@ -139,14 +143,12 @@ def recv_obj(sock: socket.socket) -> Any:
 
 def forwarded_env() -> Dict[str, str]:
     """The part of the environment the driver forwards to workers (dstl.spark.session)."""
-    from dstl.spark.session import FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV
-
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) or k in LOCAL_ONLY_ENV}
 
 
 def slot_name(job_id: str, operator_id: str, subtask: int) -> str:
     """16 hex: the slot of this subtask for this installation and forwarded environment."""
-    import dstl
+    import dstl  # the package's root is the entry layer, above this one: read here, when called
 
     env = json.dumps(sorted(forwarded_env().items()))
     ident = json.dumps([os.getuid(), sys.executable, os.path.dirname(os.path.abspath(dstl.__file__)),
@@ -156,8 +158,6 @@ def slot_name(job_id: str, operator_id: str, subtask: int) -> str:
 
 def slots_dir() -> str:
     """`<runtime root>/_slots`, spelled short enough for its sockets (made 0700)."""
-    from dstl.runtime_dir import runtime_root, socket_root
-
     d = os.path.join(socket_root(runtime_root()), DIR_NAME)
     os.makedirs(d, mode=0o700, exist_ok=True)
     return d
@@ -186,8 +186,6 @@ def _connect(path: str) -> Optional[socket.socket]:
 def _spawn(name: str, p: Dict[str, str]) -> int:
     """Start the slot `name` detached from this worker (double fork: the slot is nobody's child, so it
     never lingers as a zombie); returns its pid."""
-    import subprocess
-
     boot = ("import json, os, sys; sys.path[:0] = [p for p in json.loads(os.environ.pop('DSTL_SLOT_SYSPATH'))"
             " if p not in sys.path]; from dstl.spark.slot_process import main; main(sys.argv[1:])")
     env = dict(os.environ, DSTL_SLOT_SYSPATH=json.dumps([p for p in sys.path if p]))
@@ -271,8 +269,6 @@ def evict_idle(keep: str) -> int:
 
 def connect(name: str) -> socket.socket:
     """A connection to slot `name`, started first if it does not run (one starter per name)."""
-    from dstl.runtime_dir import file_lock, pid_alive
-
     p = paths(name)
     s = _connect(p["sock"])
     if s is not None:

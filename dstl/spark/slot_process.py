@@ -19,7 +19,11 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from dstl.spark import slot_client
+from dstl.runtime_dir import pid_alive
+from dstl.spark import cache, heap, slot_client
+from dstl.spark.cache import IDLE_TIMEOUT_S
+from dstl.spark.session import serve_executor
+from dstl.spark.task import run_subtask
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +91,6 @@ class Slot:
     # ---------------------------------------------------------------- serving
 
     def serve(self) -> None:
-        from dstl.spark.cache import IDLE_TIMEOUT_S
-
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             os.unlink(self.sock_path)  # a dead slot's socket: the starter holds the name's lock
@@ -122,8 +124,6 @@ class Slot:
         finally:
             srv.close()
             log.info("slot %s exits after %d tasks: %s", self.name, self.tasks, reason)
-            from dstl.spark import cache
-
             cache.shutdown()
             # a clean exit leaves nothing; a crashed slot's log stays (slot_client.evict_idle sweeps it)
             if not os.path.exists(self.sock_path):  # no successor has started under this name yet
@@ -151,8 +151,6 @@ class Slot:
                 self._handle(conn, exiting=True)
 
     def _why_exit(self, inode: int, idle_s: float) -> str:
-        from dstl.runtime_dir import pid_alive
-
         if time.monotonic() - self.last_used > idle_s:
             return f"idle for {idle_s:.0f} s"
         if self.watch_pid is not None and not pid_alive(self.watch_pid):
@@ -203,8 +201,6 @@ class Slot:
         return "ok"
 
     def _adopt(self, prelude: Dict[str, Any]) -> None:
-        from dstl.spark.session import serve_executor
-
         for p in prelude.get("sys_path", ()):
             if p not in sys.path:
                 sys.path.append(p)
@@ -214,8 +210,6 @@ class Slot:
         serve_executor(pid, eid)
 
     def _run(self, request: Dict[str, Any], hop_ms: float) -> Dict[str, Any]:
-        from dstl.spark.keyed import run_subtask
-
         try:
             report = run_subtask(request["plan"], request["fn"], request["rows"], request["subtask"],
                                  request["attempt"], request["arrow_schema"])
@@ -239,8 +233,6 @@ def main(argv: List[str]) -> None:
     name, sock_path = argv[0], argv[1]
     logging.basicConfig(level=os.environ.get("DSTL_SPARK_SLOT_LOG", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s slot {name} pid {os.getpid()} %(levelname)s %(name)s: %(message)s")
-    from dstl.spark import heap
-
     heap.own_process()
     Slot(name, sock_path).serve()
 

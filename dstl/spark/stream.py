@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime as dt
 import logging
 import os
 import re
@@ -29,7 +30,26 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-from dstl.spark.job import BatchResult
+import numpy as np
+import pandas as pd
+
+from dstl.changelog.fs import filesystem, probe_base_path
+from dstl.config import storage_config
+from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, compute_default_max_parallelism
+from dstl.spark import faults, routing
+from dstl.spark.batch import BatchResult, is_pandas, run_batch
+from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, CheckpointStats, JobConflictError, JobSpec
+from dstl.spark.keys import KEY_COL, check_key_types, normalize_keys, pack_columns
+from dstl.spark.processor import (BatchContext, declared_schemas, is_stateful_processor, make_task_fn, normalize_api,
+                                  normalize_time_mode)
+from dstl.spark.routing import NullKeyError, subtask_of
+from dstl.spark.session import SubtaskStage, application_of, ensure_importable_on_workers, struct_from_ddl
+from dstl.spark.sink import OUTPUT_LAYOUT, mark_sink_done, prune_markers, read_batch_output, sink_done
+from dstl.spark.task import arrow_output_schema
+from dstl.spark.watermark import DEFAULT_POLICY, POLICY_CONF, Watermarks, normalize_policy
+from dstl.state.evolution import plan_state_evolution
+from dstl.state.metadata import latest_checkpoint, list_checkpoints, read_checkpoint
+from dstl.state.schema import parse_ddl
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +62,6 @@ __all__ = ["StatefulStream", "StreamBatchResult", "StreamGapError", "NullKeyErro
 
 class StreamGapError(RuntimeError):
     """Spark delivered a batch id beyond the next one this job expects."""
-
-
-class NullKeyError(ValueError):
-    """The key column holds nulls (and null_keys='drop' was not given)."""
 
 
 @dataclass
@@ -76,8 +92,6 @@ _UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 100
 
 def parse_delay_ms(delay: Any) -> int:
     """A watermark delay in ms from an int (ms), a timedelta or a string like '10 seconds'."""
-    import datetime as dt
-
     if delay is None:
         return 0
     if isinstance(delay, dt.timedelta):
@@ -142,12 +156,8 @@ class StatefulStream:
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
                  resume_from: Optional[int] = None, api: str = "pandas",
                  watermark_policy: Optional[str] = None):
-        from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM
-        from dstl.spark.processor import is_stateful_processor, normalize_api, normalize_time_mode
-
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
-        from dstl.spark.keys import KEY_COL, normalize_keys
 
         keys = normalize_keys(key)
         self.is_processor = is_stateful_processor(processor)
@@ -185,8 +195,6 @@ class StatefulStream:
         self.watermark_delays_ms = dict(zip(columns, delays))
         self.watermark_delay_ms = delays[0] if delays else 0
         if watermark_policy is not None:
-            from dstl.spark.watermark import normalize_policy
-
             watermark_policy = normalize_policy(watermark_policy)
         self.watermark_policy = watermark_policy
         if null_keys not in ("error", "drop"):
@@ -206,7 +214,6 @@ class StatefulStream:
         self.event_time_columns = columns
         self.output_path = (_absolute(output_path) if output_path else f"{self.base_path}/output").rstrip("/")
         self.sink = sink
-        from dstl.config import storage_config
 
         # dstl's options and the file system's keyword arguments (in memory only; the repr hides them)
         self.storage_config = storage_config(self.base_path, options, storage_options)
@@ -236,10 +243,6 @@ class StatefulStream:
         the next one (docs/streaming.md, "Rolling back, bootstrapping, rescaling offline")."""
         if self.coordinator is not None:
             return self.coordinator
-        from dstl.changelog.fs import filesystem, probe_base_path
-        from dstl.keygroups import compute_default_max_parallelism
-        from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, JobConflictError, JobSpec
-        from dstl.spark.sink import OUTPUT_LAYOUT
 
         probe_base_path(self.base_path)  # no credentials, no bucket: one message now, not after task retries
         fs, root = filesystem(self.base_path)
@@ -249,8 +252,6 @@ class StatefulStream:
                                    f"{self.base_path} ({JOB_FILE} missing)")
         declared = None
         if self.is_processor:
-            from dstl.spark.processor import declared_schemas
-
             declared = {n: s.to_record() for n, s in declared_schemas(self.processor).items()}
             if exists:  # a forbidden schema change fails here, before a roll-back moves anything
                 self._plan_evolution(_resume_point(self.base_path, self.resume_from), declared)
@@ -277,8 +278,6 @@ class StatefulStream:
         """Compare the declared state schemas with those recorded in `meta` (None: a new job); note
         the conversions for the next batch and return the schemas to record (recorded states the
         processor no longer declares keep their record: their values stay)."""
-        from dstl.state.evolution import plan_state_evolution
-
         recorded = dict((meta.properties.get("state_schemas") or {}) if meta is not None else {})
         self._evolutions = plan_state_evolution(recorded, declared)
         recorded.update(declared)
@@ -345,8 +344,6 @@ class StatefulStream:
     def _stage_for(self, spark):
         """The stage that keeps subtask i on its executor: kept across the session objects of one
         application (the placement carries over), a new one for another application."""
-        from dstl.spark.session import SubtaskStage, application_of
-
         if self._stage is not None and self._stage.spark is not spark:
             if application_of(self._stage.spark) == application_of(spark):
                 self._stage.rebind(spark)
@@ -358,113 +355,94 @@ class StatefulStream:
         return self._stage
 
     # ---------------------------------------------------------------- one batch
-    def _spark_of(self, df):
-        if type(df).__module__.startswith("pandas"):
-            from pyspark.sql import SparkSession
+    def _session_of(self, df):
+        """The batch's SparkSession (a pandas batch: the active one)."""
+        if not is_pandas(df):
+            return df.sparkSession
+        from pyspark.sql import SparkSession  # PySpark
 
-            spark = SparkSession.getActiveSession()
-            if spark is None:
-                raise RuntimeError("a pandas batch needs an active SparkSession")
-            return spark, spark.createDataFrame(df)
-        return df.sparkSession, df
+        spark = SparkSession.getActiveSession()
+        if spark is None:
+            raise RuntimeError("a pandas batch needs an active SparkSession")
+        return spark
 
     def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
-        from dstl.spark import faults
-        from dstl.spark.keyed import SUBTASK_COL, TaskReport, stateful_map_in_pandas_staged
-        from dstl.spark.processor import BatchContext, make_task_fn
-        from dstl.spark.session import collect
-
-        from dstl.spark.routing import choose_route
-
         coord = self.coordinator
-        route = choose_route(df)  # a small pandas batch is broadcast; everything else is shuffled
-        spark, sdf = self._spark_of(df)
-        for col in self.keys:
-            if col not in sdf.columns:
-                raise ValueError(f"key column {col!r} is not in batch {batch_id} "
-                                 f"(columns: {', '.join(sdf.columns)})")
-        if len(self.keys) > 1:
-            sdf = sdf.withColumn(self.key, _packed_key_column(sdf, self.keys))
-        for col in self.event_time_columns:
-            if col not in sdf.columns:
-                raise ValueError(f"event_time_column {col!r} is not in batch {batch_id} "
-                                 f"(columns: {', '.join(sdf.columns)})")
-        t0 = time.perf_counter()
+        # a small pandas batch is broadcast, everything else shuffled; looked up on the module, where
+        # bench/scale_route.py replaces it to force the broadcast route
+        route = routing.choose_route(df)
+        spark = self._session_of(df)
+        for col in self.keys + self.event_time_columns:
+            if col not in df.columns:
+                what = "key column" if col in self.keys else "event_time_column"
+                raise ValueError(f"{what} {col!r} is not in batch {batch_id} (columns: {', '.join(df.columns)})")
+        if len(self.keys) > 1:  # the packed key is computed in the executors, whatever the batch
+            df = spark.createDataFrame(df) if is_pandas(df) else df
+            df = df.withColumn(self.key, _packed_key_column(df, self.keys))
         batch_ts = int(self.clock())
         latest = coord.latest
         marks = self._watermarks(spark, latest)
         maxp = coord.spec.max_parallelism
-        # null keys ride with subtask 0, whose task counts and drops them (no extra pass over the input)
-        keyed = sdf.withColumn(SUBTASK_COL, _subtask_column(sdf, self.key, maxp, self.parallelism))
         et_cols = [f"{ET_COL}_{i}" for i in range(len(self.event_time_columns))]
-        for name, col in zip(et_cols, self.event_time_columns):
-            keyed = keyed.withColumn(name, _event_ms(sdf, col))
-        stage = self._stage_for(spark)
-        t_prep = time.perf_counter()
-        # the stage evaluates `keyed` once (the shuffle's map side, or the broadcast): nothing to persist
-        out_schema = self._output_struct_type()
-        ctx = BatchContext(batch_ts, marks.eviction_ms, self.time_mode, api=self.api,
-                           late_watermark_ms=marks.late_ms,
-                           key_columns=self.keys if len(self.keys) > 1 else None)
-        ctx = self._row_context(ctx, spark, sdf, out_schema)  # the pandas flavour needs the time zone too
-        initial = self._initial_by_subtask(maxp) if latest is None else None
-        fn = make_task_fn(self.processor, self.key, ctx, initial,
-                          event_cols=et_cols,
-                          evolutions=self._evolutions)
-        plan = coord.plan(batch_id, self.parallelism)
-        plan = dataclasses.replace(plan, call_without_rows=self.is_processor)
-        faults.point("stream.before_tasks", batch_id)
-        reports_df = stateful_map_in_pandas_staged(keyed, fn, out_schema, checkpoint=plan, stage=stage,
-                                                   route=route)
-        # evaluated exactly once
-        rows = collect(spark, reports_df, f"dstl {self.operator_id} batch {batch_id}")
-        reports = [TaskReport.from_row(r) for r in rows]
-        faults.point("stream.after_tasks", batch_id)
-        t_tasks = time.perf_counter()
-        nulls = sum(r.metric("null_rows") for r in reports)
-        if nulls and self.null_keys == "error":
-            # no checkpoint: the tasks' work is abandoned, the next attempt restores the last checkpoint
-            raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in batch {batch_id} "
-                               f"(of {sum(r.rows_in for r in reports)} rows); pass null_keys='drop' "
-                               f"to drop and count them")
-        late = sum(r.metric("late_rows") for r in reports)
-        maxima: Dict[str, Optional[int]] = {}
-        for i, col in enumerate(self.event_time_columns):
-            seen = [r.metric("max_event_ms", {}).get(str(i)) for r in reports]
-            seen = [m for m in seen if m is not None]
-            maxima[col] = max(seen) if seen else None
-        after = marks.advance(maxima, self.watermark_delays_ms)
-        new_wm = after.eviction_ms
-        fired = sum(r.metric("timers_fired") for r in reports)
-        props = {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts, "late_rows": late, "null_rows_dropped": nulls,
-                 "time_mode": self.time_mode, "state_schemas": self._schemas or {},
-                 "timers_fired": fired, **after.properties(marks)}
-        stats = coord.complete(plan, reports, properties=props,
-                               after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
+
+        def with_event_ms(keyed):
+            for name, col in zip(et_cols, self.event_time_columns):
+                keyed = keyed.withColumn(name, _event_ms(keyed, col))
+            return keyed
+
+        def task_fn(keyed, _fn):
+            out_schema = self._output_struct_type()
+            ctx = BatchContext(batch_ts, marks.eviction_ms, self.time_mode, api=self.api,
+                               late_watermark_ms=marks.late_ms,
+                               key_columns=self.keys if len(self.keys) > 1 else None)
+            ctx = self._row_context(ctx, spark, keyed, out_schema)  # the pandas flavour needs the time zone too
+            initial = self._initial_by_subtask(maxp) if latest is None else None
+            return make_task_fn(self.processor, self.key, ctx, initial, event_cols=et_cols,
+                                evolutions=self._evolutions)
+
+        counted: Dict[str, Any] = {}
+
+        def properties(reports):
+            late = sum(r.metric("late_rows") for r in reports)
+            maxima: Dict[str, Optional[int]] = {}
+            for i, col in enumerate(self.event_time_columns):
+                seen = [r.metric("max_event_ms", {}).get(str(i)) for r in reports]
+                seen = [m for m in seen if m is not None]
+                maxima[col] = max(seen) if seen else None
+            after = marks.advance(maxima, self.watermark_delays_ms)
+            fired = sum(r.metric("timers_fired") for r in reports)
+            counted.update(late=late, watermark_ms=after.eviction_ms, fired=fired)
+            return {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts,
+                    "late_rows": late, "null_rows_dropped": sum(r.metric("null_rows") for r in reports),
+                    "time_mode": self.time_mode, "state_schemas": self._schemas or {},
+                    "timers_fired": fired, **after.properties(marks)}
+
+        run = run_batch(coord, df, self.processor, self._output_struct_type(), key=self.key,
+                        parallelism=self.parallelism, stage_for=self._stage_for, spark=spark, batch_id=batch_id,
+                        null_keys=self.null_keys, route=route, extend=with_event_ms, make_fn=task_fn,
+                        plan_changes={"call_without_rows": self.is_processor},
+                        before_tasks=lambda: faults.point("stream.before_tasks", batch_id),
+                        after_tasks=lambda: faults.point("stream.after_tasks", batch_id),
+                        properties=properties,
+                        after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
         evolved = sorted(self._evolutions)
         self._evolutions = {}  # the checkpoint holds the new layout and records the new schemas
-        sink_called = self._deliver(spark, batch_id, plan.checkpoint_id)
+        sink_called = self._deliver(spark, batch_id, run.plan.checkpoint_id)
         t_end = time.perf_counter()
         faults.point("stream.after_sink", batch_id)
-        restored = [r for r in reports if r.restored]
         res = StreamBatchResult(
-            batch=batch_id, checkpoint_id=plan.checkpoint_id,
-            rows_in=sum(r.rows_in for r in reports) - nulls - late,  # what the processor was given
-            rows_out=sum(r.rows_out for r in reports), seconds=time.perf_counter() - t0,
-            checkpoint_ms=max(r.snapshot_ms for r in reports) + stats.metadata_ms,
-            restored=len(restored), restore_ms=max((r.restore_ms for r in restored), default=0.0),
-            reports=reports, stats=stats, batch_id=batch_id, late_rows=late, null_rows=nulls,
-            watermark_ms=new_wm, batch_timestamp_ms=batch_ts, timers_fired=fired, sink_called=sink_called,
-            evolved_states=evolved, route=route,
-            phases_ms={"prepare": (t_prep - t0) * 1e3, "tasks": (t_tasks - t_prep) * 1e3,
-                       "commit": (t_end - t_tasks) * 1e3})
+            **run.result_fields(rows_dropped=counted["late"]),  # rows_in: what the processor was given
+            batch_id=batch_id, late_rows=counted["late"], null_rows=run.null_rows,
+            watermark_ms=counted["watermark_ms"], batch_timestamp_ms=batch_ts, timers_fired=counted["fired"],
+            sink_called=sink_called, evolved_states=evolved, route=run.route,
+            phases_ms={"prepare": (run.prepared - run.started) * 1e3, "tasks": (run.tasks_done - run.prepared) * 1e3,
+                       "commit": (t_end - run.tasks_done) * 1e3})
+        res.seconds = time.perf_counter() - run.started
         self.results.append(res)
         return res
 
     def _watermarks(self, spark, latest):
         """This batch's watermarks (dstl.spark.watermark), from the checkpoint it continues from."""
-        from dstl.spark.watermark import DEFAULT_POLICY, POLICY_CONF, Watermarks, normalize_policy
-
         policy = self.watermark_policy
         if policy is None:
             policy = normalize_policy(spark.conf.get(POLICY_CONF, DEFAULT_POLICY) or DEFAULT_POLICY)
@@ -485,20 +463,15 @@ class StatefulStream:
     def _row_context(self, ctx, spark, sdf, out_schema):
         """The session time zone, the output's Arrow schema and the pandas flavour's DataFrame size;
         the row API's input value types."""
-        from dstl.spark.keyed import _arrow_output_schema
-
         init_schema = getattr(self.initial_state, "schema", None)
         return dataclasses.replace(
             ctx, input_schema=sdf.schema, time_zone=spark.conf.get("spark.sql.session.timeZone", None),
             max_records_per_batch=int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
             initial_schema=init_schema if hasattr(init_schema, "fields") else None,
-            output_arrow_schema=_arrow_output_schema(out_schema))
+            output_arrow_schema=arrow_output_schema(out_schema))
 
     def _deliver(self, spark, batch_id: int, checkpoint_id: int) -> bool:
         """Call the sink for a committed batch unless it already returned; True if called."""
-        from dstl.spark import faults
-        from dstl.spark.sink import mark_sink_done, prune_markers, read_batch_output, sink_done
-
         if sink_done(self.base_path, batch_id):
             return False
         called = False
@@ -513,14 +486,11 @@ class StatefulStream:
 
     def _replay(self, batch_id: int, df) -> "StreamBatchResult":
         """A batch id already in a completed checkpoint: no state change; finish output and sink."""
-        from dstl.spark.coordinator import CheckpointStats
-
         coord = self.coordinator
         latest = coord.latest
-        spark = self._spark_of(df)[0] if df is not None else None
+        spark = self._session_of(df) if df is not None else None
         called = False
         committed = coord.batch_output_dir(batch_id)
-        from dstl.changelog.fs import filesystem
 
         fs, path = filesystem(committed)
         if fs.exists(f"{path}/_SUCCESS") and spark is not None:
@@ -542,9 +512,6 @@ class StatefulStream:
             return None
         if not self.is_processor:
             raise ValueError("initial_state needs a StatefulProcessor (handleInitialState)")
-        import numpy as np
-
-        from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
 
         pdf = self.initial_state
         if not type(pdf).__module__.startswith("pandas"):
@@ -553,8 +520,6 @@ class StatefulStream:
             if col not in pdf.columns:
                 raise ValueError(f"initial_state lacks the key column {col!r} (columns: {', '.join(pdf.columns)})")
         if len(self.keys) > 1:
-            from dstl.spark.keys import pack_columns
-
             pdf = pdf.copy()
             pdf[self.key] = pack_columns([pdf[k] for k in self.keys])
         nulls = int(pdf[self.key].isna().sum())
@@ -563,14 +528,12 @@ class StatefulStream:
                 raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in initial_state; "
                                    f"pass null_keys='drop' to drop them")
             pdf = pdf[pdf[self.key].notna()]
-        subs = operator_indices_for_key_groups(assign_key_groups(pdf[self.key], maxp), maxp, self.parallelism)
+        subs = subtask_of(pdf[self.key], maxp, self.parallelism)
         return {i: pdf[subs == i].reset_index(drop=True) for i in np.unique(subs).tolist()}
 
 
 def _resume_point(base_path: str, resume_from: Optional[int]):
     """The checkpoint a resume continues from (None if unreadable: the coordinator reports why)."""
-    from dstl.state.metadata import latest_checkpoint, list_checkpoints, read_checkpoint
-
     try:
         if resume_from is not None:
             return read_checkpoint(base_path, resume_from) if resume_from in list_checkpoints(base_path) else None
@@ -588,19 +551,14 @@ def _parse_output_schema(schema: Any, spark_only: bool = False):
     """The output schema as a StructType, checked by converting it to Arrow. A DDL string is parsed
     without a session (dstl.state.schema.parse_ddl); one that needs Spark's parser (comments,
     NOT NULL, ...) is parsed by Spark when a session is active, else None: at the first batch."""
-    from pyspark.sql.types import StructType
-
-    from dstl.spark.keyed import _arrow_output_schema
-    from dstl.spark.session import struct_from_ddl
+    from pyspark.sql.types import StructType  # PySpark
 
     try:
         if isinstance(schema, str) and not spark_only:
-            from dstl.state.schema import parse_ddl
-
             try:
                 struct = parse_ddl(schema)
             except ValueError:
-                from pyspark.sql import SparkSession
+                from pyspark.sql import SparkSession  # PySpark
 
                 if SparkSession.getActiveSession() is None:
                     return None
@@ -609,57 +567,21 @@ def _parse_output_schema(schema: Any, spark_only: bool = False):
             struct = struct_from_ddl(schema) if isinstance(schema, str) else schema
         if not isinstance(struct, StructType):
             raise TypeError(f"a {type(struct).__name__}, not a struct of columns")
-        _arrow_output_schema(struct)
+        arrow_output_schema(struct)
         return struct
     except Exception as exc:
         raise ValueError(f"output_schema {schema!r} is not a valid DDL string or StructType: {exc}") from None
 
 
-def _subtask_column(df, key: str, max_parallelism: int, parallelism: int):
-    """The logical subtask of each row's key, as a vectorised pandas UDF (null keys: subtask 0,
-    whose task counts and drops them)."""
-    from pyspark.sql import functions as F
-
-    from dstl.spark.keyed import ensure_importable_on_workers
-
-    ensure_importable_on_workers(df.sparkSession)
-    maxp, p = max_parallelism, parallelism
-
-    @F.pandas_udf("int")
-    def subtask(keys):  # pragma: no cover - runs in the Python worker
-        import numpy as np
-        import pandas as pd
-
-        from dstl.keygroups import assign_key_groups, operator_indices_for_key_groups
-
-        null = keys.isna().to_numpy()
-        out = np.zeros(len(keys), dtype=np.int32)
-        if (~null).any():
-            vals = keys[~null]
-            if vals.dtype.kind == "f":  # an integer column with nulls arrives as float
-                vals = vals.astype("int64")
-            out[~null] = operator_indices_for_key_groups(assign_key_groups(vals, maxp), maxp, p)
-        return pd.Series(out, index=keys.index)
-
-    return subtask(F.col(key))
-
-
 def _packed_key_column(df, keys: List[str]):
     """The stored key of several key columns (dstl.spark.keys), as a vectorised pandas UDF."""
-    from pyspark.sql import functions as F
-
-    from dstl.spark.keyed import ensure_importable_on_workers
-    from dstl.spark.keys import check_key_types
+    from pyspark.sql import functions as F  # PySpark
 
     check_key_types(df.schema, keys)
     ensure_importable_on_workers(df.sparkSession)
 
     @F.pandas_udf("binary")
     def packed(*cols):  # pragma: no cover - runs in the Python worker
-        import pandas as pd
-
-        from dstl.spark.keys import pack_columns
-
         return pd.Series(pack_columns(cols), index=cols[0].index, dtype=object)
 
     return packed(*[F.col(k) for k in keys])
@@ -667,8 +589,8 @@ def _packed_key_column(df, keys: List[str]):
 
 def _event_ms(df, column: str):
     """The event time as epoch milliseconds: a timestamp column, or a number already in ms."""
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
+    from pyspark.sql import functions as F  # PySpark
+    from pyspark.sql import types as T  # PySpark
 
     dtype = df.schema[column].dataType
     if isinstance(dtype, (T.TimestampType, T.TimestampNTZType)):
