@@ -102,7 +102,8 @@ def _as_list(col) -> list:
 
 
 #: state kind -> the class that holds one state of it in dicts
-MEMORY_KINDS: Dict[str, type] = {"value": _MemValue, "list": _MemList, "map": _MemMap, "reducing": _MemReducing}
+MEMORY_KINDS: Dict[str, type] = {"value": _MemValue, "list": _MemList, "map": _MemMap,
+                                 "reducing": _MemReducing}
 require_every_kind(MEMORY_KINDS, f"{__name__}.MEMORY_KINDS")
 
 

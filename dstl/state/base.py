@@ -74,7 +74,7 @@ class _State:
                             f"(see dstl.state.base.KIND_MEMBERS)")
         if kind not in C.KINDS:
             raise TypeError(f"state kind {kind!r} ({cls.__name__}) is not one of the format's kinds "
-                            f"{', '.join(C.KINDS)}: add it to dstl.state.changes.KINDS and docs/format.md")
+                            f"{', '.join(C.KINDS)}: add it to dstl.state.changes.KINDS")
         other = KIND_CLASSES.get(kind)
         if other is not None and other.__qualname__ != cls.__qualname__:
             raise TypeError(f"state kind {kind!r} is already provided by {other.__name__}, not {cls.__name__}")

@@ -138,7 +138,7 @@ class ReducingState(ValueState):
     """A value per key folded with `reduce_fn(old, new)`; logged as SET_INTERNAL of the result."""
 
     kind = "reducing"
-    ttl_view = None  # Flink's reducing state takes no TTL here; reducing_state() offers none
+    ttl_view = None  # reducing_state() takes no ttl_ms: dstl offers TTL on value, list and map state
     native_replay_ops = frozenset((C.SET, C.SET_INTERNAL))
     feed_ops = {C.CLEAR: "clear", C.SET: "update", C.SET_INTERNAL: "update"}
 
