@@ -515,7 +515,8 @@ cdef class StateAppender:
 
 def plain_list(value, tuple types):
     """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
-    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    `types`, one for one; else None. The processor adapters' plain-value encode
+    (dstl/spark/processor_adapters.py)."""
     cdef Py_ssize_t i, n = len(types)
     if PyTuple_CheckExact(value):
         if len(<tuple>value) != n:

@@ -163,7 +163,8 @@ class StateAppender:
 
 def plain_list(value: Any, types: tuple) -> Any:
     """`list(value)` when `value` is a tuple or list (exactly) whose items have exactly the types in
-    `types`, one for one; else None. The processor adapters' plain-value encode (dstl/spark/processor.py)."""
+    `types`, one for one; else None. The processor adapters' plain-value encode
+    (dstl/spark/processor_adapters.py)."""
     if type(value) in (tuple, list) and tuple(map(type, value)) == types:
         return list(value)
     return None

@@ -34,11 +34,12 @@ from dstl.state.columns import Column
 from dstl.state.serializers import resolve_serializer
 from dstl.types import KeyGroupRange
 from dstl.state.base import _State
-from dstl.state.ttl import wall_clock_ms
+from dstl.state.kinds import kind_class
 from dstl.state.list import ListState
 from dstl.state.map import MapState
 from dstl.state.restore import replay_snapshots
 from dstl.state.snapshot import KeyedStateSnapshot
+from dstl.state import ttl as T
 from dstl.state.value import ReducingState, ValueState
 
 _keyed = _impl.kernel("_keyed")
@@ -57,9 +58,6 @@ class _Pending:
 
     def __init__(self, mat, start, end):
         self.mat, self.start, self.end = mat, start, end
-
-
-_KIND_CLASSES = {"value": ValueState, "list": ListState, "map": MapState, "reducing": ReducingState}
 
 
 class KeyedStateBackend:
@@ -116,7 +114,7 @@ class KeyedStateBackend:
         self.restore_stats: Dict[str, int] = {}
         self.materializations = 0
         #: milliseconds "now" for TTL states (dstl.state.ttl); settable (StatefulStream: the batch time)
-        self.ttl_clock: Callable[[], int] = ttl_clock or wall_clock_ms
+        self.ttl_clock: Callable[[], int] = ttl_clock or T.wall_clock_ms
 
     # -- keys and appends -----------------------------------------------------------------------
     # `self._kg(key)` is the kernel's: TypeError unless the key is an int, str or bytes (numpy ints are
@@ -240,7 +238,7 @@ class KeyedStateBackend:
         return state
 
     def _new_state(self, kind: str, meta: C.StateMeta, serializer: Any) -> _State:
-        return _KIND_CLASSES[kind](self, meta, serializer)
+        return kind_class(kind)(self, meta, serializer)
 
     def value_state(self, name: str, serializer: Any = None, ttl_ms: Optional[int] = None) -> ValueState:
         """Get or register a ValueState (one METADATA change on first registration).
@@ -265,14 +263,11 @@ class KeyedStateBackend:
         return self._with_ttl(name, "map", serializer, {}, ttl_ms)
 
     def _with_ttl(self, name: str, kind: str, serializer: Any, options: Dict[str, Any], ttl_ms: Any):
-        from dstl.state import ttl as T
-
         ttl_ms = T.check_ttl(ttl_ms)
         if ttl_ms is None:
             return self._register(name, kind, serializer, options)
         raw = self._register(name, kind, serializer, dict(options, **{T.TTL_OPTION: True}))
-        view = {"value": T.TtlValueState, "list": T.TtlListState, "map": T.TtlMapState}[kind]
-        return view(raw, ttl_ms, lambda: self.ttl_clock())
+        return raw.with_ttl(ttl_ms, lambda: self.ttl_clock())
 
     def reducing_state(self, name: str, reduce_fn: Callable[[Any, Any], Any], serializer: Any = None) -> ReducingState:
         """Get or register a ReducingState (re-registering after a restore attaches `reduce_fn`)."""
@@ -376,10 +371,9 @@ class KeyedStateBackend:
 
         A no-op when nothing changed since the last materialization, unless `force`."""
         from dstl.state.materialize import materialize
-        from dstl.state.ttl import purge_expired
 
         self._check_open()
-        purge_expired(self, self.ttl_clock())  # expired TTL values are not carried into the snapshot
+        T.purge_expired(self, self.ttl_clock())  # expired TTL values are not carried into the snapshot
         materialize(self, force=force)
 
     # -- restore --------------------------------------------------------------------------------

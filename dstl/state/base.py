@@ -1,10 +1,14 @@
 """The part every keyed state kind shares: identity, serializer, table access, bulk encoding.
 
 See dstl.state.backend for how states, the in-memory table and the changelog fit together; a state
-reaches its backend only through dstl.state.host.StateHost."""
+reaches its backend only through dstl.state.host.StateHost.
+
+A kind is a subclass of `_State` that names itself with `kind`; it must provide every member of
+`KIND_MEMBERS` (what the backend, the replay, the snapshots, TTL, the readers and schema evolution
+ask of it), or its class statement raises. dstl.state.kinds is the registry of the kinds."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,10 +33,52 @@ def _norm_key(key: Any) -> Any:
     return key
 
 
+#: what every state kind provides, beside the mutating methods of its own API (one line each: who asks)
+KIND_MEMBERS: Dict[str, str] = {
+    "kind": "its name in METADATA changes (one of dstl.state.changes.KINDS)",
+    "ttl_view": "the dstl.state.ttl view class a TTL registration returns, or None when the kind takes no TTL",
+    "native_replay_ops": "ops whose body a native-serializer replay may store as it is (restore.py)",
+    "feed_ops": "op code -> the op's name in read_changes rows, for every op the kind logs",
+    "_apply": "replay one logged change into the table (restore.py)",
+    "_snapshot_value": "a table entry as a key-group snapshot stores it (materialize.py)",
+    "_restore_value": "a key-group snapshot's entry back as a table entry (restore.py)",
+    "_copy": "a table entry as all_items hands it out (a copy where it is mutable)",
+    "_purge_entry": "drop the expired parts of a TTL table entry (ttl.purge_expired)",
+    "_entry_rows": "a table entry as the reader's (user_key, position, value) cells (reader.state_rows)",
+    "_feed_cells": "one logged change as the change feed's (op, user_key, value) cells (reader.change_rows)",
+    "_evolve_entry": "a table entry with every stored value converted (evolution.evolve_backend)",
+}
+
+#: kind name -> its class, filled by the class statements (dstl.state.kinds imports every kind)
+KIND_CLASSES: Dict[str, type] = {}
+
+
 class _State:
     """Common part of the state kinds: identity, serializer, table access, bulk encoding."""
 
     kind = ""
+    # provided by each kind (KIND_MEMBERS), with the methods named there
+    ttl_view: Optional[type]
+    native_replay_ops: frozenset
+    feed_ops: Dict[int, str]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            return  # an intermediate class: its subclasses name the kind
+        missing = [m for m in KIND_MEMBERS if not any(m in c.__dict__ for c in cls.__mro__ if c is not _State)]
+        if missing:
+            raise TypeError(f"state kind {kind!r} ({cls.__name__}) does not provide "
+                            f"{', '.join(missing)}; every kind provides all of: {', '.join(KIND_MEMBERS)} "
+                            f"(see dstl.state.base.KIND_MEMBERS)")
+        if kind not in C.KINDS:
+            raise TypeError(f"state kind {kind!r} ({cls.__name__}) is not one of the format's kinds "
+                            f"{', '.join(C.KINDS)}: add it to dstl.state.changes.KINDS")
+        other = KIND_CLASSES.get(kind)
+        if other is not None and other.__qualname__ != cls.__qualname__:
+            raise TypeError(f"state kind {kind!r} is already provided by {other.__name__}, not {cls.__name__}")
+        KIND_CLASSES[kind] = cls
 
     def __init__(self, backend: StateHost, meta: C.StateMeta, serializer: Any):
         self._b = backend
@@ -44,8 +90,7 @@ class _State:
         self.serializer = serializer
         self._native = bool(getattr(serializer, "native", False))
         # replay may store SET/SET_INTERNAL bodies directly (see dstl.state.restore._replay_handle)
-        self._fast_ops = frozenset() if not self._native else {
-            "value": frozenset((C.SET,)), "reducing": frozenset((C.SET, C.SET_INTERNAL))}.get(self.kind, frozenset())
+        self._fast_ops = self.native_replay_ops if self._native else frozenset()
 
     # value <-> what goes into a change body
     def _w(self, v: Any) -> Any:
@@ -93,9 +138,6 @@ class _State:
             if s:
                 for k, v in list(s.items()):
                     yield k, self._copy(v)
-
-    def _copy(self, v: Any) -> Any:
-        return v
 
     def keys_with_state(self) -> List[Any]:
         return [k for k, _ in self.all_items()]
@@ -166,6 +208,13 @@ class _State:
             t = table.get(kg)
             out.append((None if t is None else t.get(name), k))
         return out
+
+    def with_ttl(self, ttl_ms: int, clock: Callable[[], int]) -> Any:
+        """This state seen through its kind's TTL view (values expire `ttl_ms` after their write)."""
+        view = type(self).ttl_view
+        if view is None:
+            raise ValueError(f"{self.kind} state {self.name!r} takes no TTL")
+        return view(self, ttl_ms, clock)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, serializer={self.serializer.id!r})"

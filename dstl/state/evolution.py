@@ -157,12 +157,7 @@ def evolve_backend(backend, name: str, convert: Callable[[Any], Any]) -> int:
         if not entries:
             continue
         for key, value in list(entries.items()):
-            if st.kind == "list":
-                entries[key] = [one(e) for e in value]
-            elif st.kind == "map":
-                entries[key] = {uk: one(v) for uk, v in value.items()}
-            else:
-                entries[key] = one(value)
+            entries[key] = st._evolve_entry(value, one)
             n += 1
     backend._since_changes += n  # the next materialization must write the new layout
     return n

@@ -1,25 +1,29 @@
 """ListState: a list of values per key."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
-
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column
 from dstl.state.base import _KEY_TYPES, _State, _norm_key
+from dstl.state.ttl import TtlListState
 
 
 class ListState(_State):
     """A list per key. With `max_length` (recorded in the metadata) only the last N elements stay."""
 
     kind = "list"
+    ttl_view = TtlListState
+    native_replay_ops: frozenset = frozenset()
+    feed_ops = {C.CLEAR: "clear", C.SET: "update", C.ADD: "add_all", C.ADD_ELEMENT: "add"}
 
     def __init__(self, backend, meta, serializer):
         super().__init__(backend, meta, serializer)
         self.max_length = meta.options.get("max_length")
 
-    def _copy(self, v):
+    @staticmethod
+    def _copy(v: list) -> list:
         return list(v)
 
     def _trim(self, lst: list) -> list:
@@ -130,3 +134,37 @@ class ListState(_State):
 
     def _restore_value(self, w: Any) -> Any:
         return [self._u(x) for x in w] if not self._native else w
+
+    # an entry is a list of elements: TTL, the readers and schema evolution take them one by one
+    @staticmethod
+    def _purge_entry(entry: list, now: int) -> Tuple[int, bool]:
+        """(elements dropped, whether the list is gone) for a TTL list of [value, expires_at_ms]."""
+        kept = [e for e in entry if e[1] > now]
+        dropped = len(entry) - len(kept)
+        if dropped and kept:
+            entry[:] = kept
+        return dropped, dropped > 0 and not kept
+
+    @staticmethod
+    def _entry_rows(entry: list, ttl: bool, now: int, enc: Callable[[Any], Any]) -> Iterator[Tuple]:
+        pos = 0
+        for el in entry:
+            if ttl:
+                if el[1] <= now:
+                    continue
+                el = el[0]
+            yield None, pos, enc(el)
+            pos += 1
+
+    @classmethod
+    def _feed_cells(cls, op: int, body: list, val: Callable[[Any], Any], js: Callable[[Any], Any]) -> Tuple:
+        name = cls.feed_ops.get(op, str(op))
+        if op == C.CLEAR:
+            return name, None, None
+        if op in (C.SET, C.ADD):
+            return name, None, js([val(x) for x in body[2]])
+        return name, None, js(val(body[2]))
+
+    @staticmethod
+    def _evolve_entry(entry: list, one: Callable[[Any], Any]) -> list:
+        return [one(e) for e in entry]

@@ -1,7 +1,7 @@
 """MapState: a map of user keys to values per key."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -9,6 +9,7 @@ from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column
 from dstl.state.base import _KEY_TYPES, _USER_KEY_TYPES, _State, _norm_key
+from dstl.state.ttl import TtlMapState
 
 
 def _check_user_key(uk: Any) -> None:
@@ -20,8 +21,13 @@ class MapState(_State):
     """A map per key: `put`, `get`, `remove`, `contains`, `items`, ... (user keys: msgpack scalars)."""
 
     kind = "map"
+    ttl_view = TtlMapState
+    native_replay_ops: frozenset = frozenset()
+    feed_ops = {C.CLEAR: "clear", C.SET: "update", C.ADD: "put_all", C.ADD_OR_UPDATE_ELEMENT: "put",
+                C.REMOVE_ELEMENT: "remove"}
 
-    def _copy(self, v):
+    @staticmethod
+    def _copy(v: dict) -> dict:
         return dict(v)
 
     def _map(self, key: Any) -> Optional[dict]:
@@ -160,3 +166,36 @@ class MapState(_State):
 
     def _restore_value(self, w: Any) -> Any:
         return w if self._native else {uk: self._u(x) for uk, x in w.items()}
+
+    # an entry is a map of user keys to values: TTL, the readers and schema evolution take them one by one
+    @staticmethod
+    def _purge_entry(entry: dict, now: int) -> Tuple[int, bool]:
+        """(entries dropped, whether the map is gone) for a TTL map of user key -> [value, expires_at_ms]."""
+        gone = [uk for uk, e in entry.items() if e[1] <= now]
+        for uk in gone:
+            del entry[uk]
+        return len(gone), not entry
+
+    @staticmethod
+    def _entry_rows(entry: dict, ttl: bool, now: int, enc: Callable[[Any], Any]) -> Iterator[Tuple]:
+        for uk, v in entry.items():
+            if ttl:
+                if v[1] <= now:
+                    continue
+                v = v[0]
+            yield enc(uk), None, enc(v)
+
+    @classmethod
+    def _feed_cells(cls, op: int, body: list, val: Callable[[Any], Any], js: Callable[[Any], Any]) -> Tuple:
+        name = cls.feed_ops.get(op, str(op))
+        if op == C.CLEAR:
+            return name, None, None
+        if op == C.ADD_OR_UPDATE_ELEMENT:
+            return name, js(body[2]), js(val(body[3]))
+        if op == C.REMOVE_ELEMENT:
+            return name, js(body[2]), None
+        return name, None, js({k: val(x) for k, x in body[2].items()})
+
+    @staticmethod
+    def _evolve_entry(entry: dict, one: Callable[[Any], Any]) -> dict:
+        return {uk: one(v) for uk, v in entry.items()}

@@ -263,29 +263,10 @@ def state_rows(backend, state_name: Optional[str] = None, *, now_ms: Optional[in
                 continue
             kind = st.kind
             ttl = bool(st.meta.options.get(_TTL_OPTION))
+            rows_of = st._entry_rows  # the kind knows its entries' layout (a value, a list, a map)
             for key, value in entries.items():
-                if kind == "list":
-                    pos = 0
-                    for el in value:
-                        if ttl:
-                            if el[1] <= now:
-                                continue
-                            el = el[0]
-                        yield key, kg, name, kind, None, pos, enc(el)
-                        pos += 1
-                elif kind == "map":
-                    for uk, v in value.items():
-                        if ttl:
-                            if v[1] <= now:
-                                continue
-                            v = v[0]
-                        yield key, kg, name, kind, enc(uk), None, enc(v)
-                else:
-                    if ttl:
-                        if value[1] <= now:
-                            continue
-                        value = value[0]
-                    yield key, kg, name, kind, None, None, enc(value)
+                for user_key, position, cell in rows_of(value, ttl, now, enc):
+                    yield key, kg, name, kind, user_key, position, cell
 
 
 def state_names(base_path: str, meta, kgr: Optional[KeyGroupRange] = None, **kw) -> Dict[str, str]:
@@ -418,11 +399,6 @@ def _show_keys(df, show):
 
 # ------------------------------------------------------------------ changes between checkpoints
 
-_OPS = {  # (op code, state kind) -> change feed op name
-    0: "clear", 1: "update", 2: "update", 3: "add_all", 5: "add", 6: "put", 7: "remove",
-}
-
-
 def new_entries(base_path: str, from_checkpoint: int, to_checkpoint: int, *,
                 storage_options: Optional[Dict[str, Any]] = None):
     """For each retained checkpoint c in (from, to]: (c, [(subtask, kgr, [(file, offset), ...]), ...]),
@@ -465,6 +441,7 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
     handle (its earlier change sets are read only for the state definitions they hold)."""
     from dstl.changelog.handles import ChangelogStateHandleStreamImpl, StreamStateHandle
     from dstl.state import changes as C
+    from dstl.state.kinds import kind_class
     from dstl.state.serializers import get_serializer, unpackb
 
     handle = ChangelogStateHandleStreamImpl.from_bytes(handle_bytes)
@@ -473,7 +450,7 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
     storage = _storage(base_path, None, storage_options, options)
     try:
         reader = storage.create_reader()
-        states: Dict[int, Any] = {}   # state id -> (name, kind, serializer); ids are per log
+        states: Dict[int, Any] = {}   # state id -> (name, kind class, serializer, ttl); ids are per log
         for h, off in handle.handles_and_offsets:
             new = (h.path, off) in wanted
             one = ChangelogStateHandleStreamImpl([(StreamStateHandle(h.path, h.size), off)], kgr, 0)
@@ -485,47 +462,30 @@ def change_rows(base_path: str, checkpoint_id: int, handle_bytes: bytes, entries
                         op = view[o]
                         if op == C.METADATA:
                             m = C.decode_meta(unpackb(view[o + 1:o + ln]))
-                            states[m.state_id] = (m.name, m.kind, get_serializer(m.serializer_id, serializers or {}),
+                            states[m.state_id] = (m.name, kind_class(m.kind),
+                                                  get_serializer(m.serializer_id, serializers or {}),
                                                   bool(m.options.get(_TTL_OPTION)))
                             continue
                         if not new or op == C.KEY_GROUP_SNAPSHOT or not kgr.contains(kg):
                             continue
                         body = unpackb(view[o + 1:o + ln])
-                        name, kind, ser, ttl = states[body[0]]
-                        yield _change_row(checkpoint_id, kg, op, kind, name, ser, body, ttl)
+                        name, cls, ser, ttl = states[body[0]]
+                        yield _change_row(checkpoint_id, kg, op, cls, name, ser, body, ttl)
             finally:
                 it.close()
     finally:
         storage.close()
 
 
-def _change_row(cid: int, kg: int, op: int, kind: str, name: str, ser, body, ttl: bool = False) -> Tuple:
+def _change_row(cid: int, kg: int, op: int, kind_cls: type, name: str, ser, body, ttl: bool = False) -> Tuple:
     native = bool(getattr(ser, "native", False))
 
     def val(w):
         v = w if native else ser.loads(w)
         return v[0] if ttl and isinstance(v, (list, tuple)) and len(v) == 2 else v  # [value, expires_at_ms]
 
-    key = body[1]
-    name_of_op = _OPS.get(op, str(op))
-    if op == 3 and kind == "map":
-        name_of_op = "put_all"
-    if op == 0:
-        return cid, key, kg, name, name_of_op, None, None
-    if op == 6:
-        return cid, key, kg, name, name_of_op, to_json(body[2]), to_json(val(body[3]))
-    if op == 7:
-        return cid, key, kg, name, name_of_op, to_json(body[2]), None
-    v = body[2]
-    if op == 3:
-        v = {k: val(x) for k, x in v.items()} if isinstance(v, dict) else [val(x) for x in v]
-    elif kind == "list" and op == 1:
-        v = [val(x) for x in v]
-    elif kind == "map" and op == 1:
-        v = {k: val(x) for k, x in v.items()}
-    else:
-        v = val(v)
-    return cid, key, kg, name, name_of_op, None, to_json(v)
+    op_name, user_key, value = kind_cls._feed_cells(op, body, val, to_json)
+    return cid, body[1], kg, name, op_name, user_key, value
 
 
 def read_changes_pandas(base_path: str, from_checkpoint: int, to_checkpoint: int, *, key: Any = None,

@@ -203,34 +203,21 @@ def purge_expired(backend, now: Optional[int] = None) -> int:
     then no longer holds them.
     """
     now = wall_clock_ms() if now is None else int(now)
-    names = {name: st.kind for name, st in backend._states.items() if st.meta.options.get(TTL_OPTION)}
+    # each state's kind knows the layout of its entries (value, list of elements, map of entries)
+    purges = {name: st._purge_entry for name, st in backend._states.items() if st.meta.options.get(TTL_OPTION)}
     dropped = 0
-    if not names:
+    if not purges:
         return 0
     for tables in backend._table.values():
-        for name, kind in names.items():
+        for name, purge in purges.items():
             s = tables.get(name)
             if not s:
                 continue
             dead = []
             for key, v in s.items():
-                if kind == "list":
-                    kept = [e for e in v if e[1] > now]
-                    if len(kept) != len(v):
-                        dropped += len(v) - len(kept)
-                        if kept:
-                            v[:] = kept
-                        else:
-                            dead.append(key)
-                elif kind == "map":
-                    gone = [uk for uk, e in v.items() if e[1] <= now]
-                    for uk in gone:
-                        del v[uk]
-                    dropped += len(gone)
-                    if not v:
-                        dead.append(key)
-                elif v[1] <= now:
-                    dropped += 1
+                n, gone = purge(v, now)
+                dropped += n
+                if gone:
                     dead.append(key)
             for key in dead:
                 del s[key]

@@ -10,6 +10,7 @@ from dstl.errors import CorruptChangelogError
 from dstl.state import changes as C
 from dstl.state.columns import as_column, dict_update_rows, pack_bin_rows
 from dstl.state.base import _KEY_TYPES, _State, _norm_key, _row_values
+from dstl.state.ttl import TtlValueState
 
 #: `list(value)` when `value` is a tuple or list whose items have exactly `types`, else None: the
 #: processor adapters' plain-value encode, one kernel call (dstl/_fast/_keyed)
@@ -20,6 +21,9 @@ class ValueState(_State):
     """One value per key. `update(key, None)` clears, as in Flink."""
 
     kind = "value"
+    ttl_view = TtlValueState
+    native_replay_ops = frozenset((C.SET,))
+    feed_ops = {C.CLEAR: "clear", C.SET: "update"}
 
     def __init__(self, backend, meta, serializer):
         super().__init__(backend, meta, serializer)
@@ -100,11 +104,43 @@ class ValueState(_State):
     def _restore_value(self, w: Any) -> Any:
         return self._u(w)
 
+    # one value per entry: TTL, the readers and schema evolution see it whole
+    @staticmethod
+    def _copy(v: Any) -> Any:
+        return v
+
+    @staticmethod
+    def _purge_entry(entry: Any, now: int) -> Tuple[int, bool]:
+        """(values dropped, whether the entry is gone) for a TTL entry [value, expires_at_ms]."""
+        return (1, True) if entry[1] <= now else (0, False)
+
+    @staticmethod
+    def _entry_rows(entry: Any, ttl: bool, now: int, enc: Callable[[Any], Any]) -> Iterator[Tuple]:
+        if ttl:
+            if entry[1] <= now:
+                return
+            entry = entry[0]
+        yield None, None, enc(entry)
+
+    @classmethod
+    def _feed_cells(cls, op: int, body: list, val: Callable[[Any], Any], js: Callable[[Any], Any]) -> Tuple:
+        name = cls.feed_ops.get(op, str(op))
+        if op == C.CLEAR:
+            return name, None, None
+        return name, None, js(val(body[2]))
+
+    @staticmethod
+    def _evolve_entry(entry: Any, one: Callable[[Any], Any]) -> Any:
+        return one(entry)
+
 
 class ReducingState(ValueState):
     """A value per key folded with `reduce_fn(old, new)`; logged as SET_INTERNAL of the result."""
 
     kind = "reducing"
+    ttl_view = None  # reducing_state() takes no ttl_ms: dstl offers TTL on value, list and map state
+    native_replay_ops = frozenset((C.SET, C.SET_INTERNAL))
+    feed_ops = {C.CLEAR: "clear", C.SET: "update", C.SET_INTERNAL: "update"}
 
     def __init__(self, backend, meta, serializer, reduce_fn: Optional[Callable[[Any, Any], Any]] = None):
         super().__init__(backend, meta, serializer)
