@@ -147,9 +147,9 @@ def check_after_task(subtask: int, limit: Optional[int], entries: Dict[str, int]
     raise SlotMemoryError(
         f"subtask {subtask}'s state outgrows its slot's memory limit: it holds "
         f"{describe_state(entries, state_bytes)}, and the slot process reached "
-        f"{peak / _MiB:,.0f} MiB of address space (resident {vm.get('VmRSS', 0) / _MiB:,.0f} MiB) of its "
-        f"{limit / _MiB:,.0f} MiB limit ({SETTING}), less than {headroom(limit) / _MiB:,.0f} MiB short; "
-        f"the batch failed before the process would be killed; {fix_hint(limit)}")
+        f"{peak / _MiB:,.0f} MiB of address space (resident {vm.get('VmRSS', 0) / _MiB:,.0f} MiB), within "
+        f"{headroom(limit) / _MiB:,.0f} MiB of its {limit / _MiB:,.0f} MiB limit ({SETTING}); the batch "
+        f"failed before a larger one would get the process killed; {fix_hint(limit)}")
 
 
 def out_of_memory(subtask: int, limit: Optional[int], exc: BaseException,
