@@ -22,6 +22,7 @@ from driver_util import HERE, run_driver
 pytest.importorskip("pyspark")
 sys.path.insert(0, HERE)
 from pyspark_memory_driver import keys_of  # noqa: E402
+from state_helpers import storage  # noqa: E402,F401 - fixture
 
 
 def _slot_pids(root: str):
@@ -122,3 +123,125 @@ def test_state_outgrowing_the_limit_fails_clearly_and_resumes_with_a_larger_one(
     assert code == 0, out[-4000:]
     assert [x["ok"] for x in lines] == [True, True]
     pd.testing.assert_frame_equal(_output(base), _expected(range(failed["batch"] + 2), per))
+
+
+# --- the parts, without Spark (both implementations) -------------------------------------------------
+
+_BOUNDED_CHILD = """
+import os, resource, sys, threading
+from dstl.spark import memory_limit
+limit = memory_limit.bound_process()
+import pyarrow as pa
+arr = pa.array(range(200_000))  # the pool's first allocation
+done = threading.Event()
+errors = []
+def work():
+    try:
+        [bytes(4096) for _ in range(1000)]  # each thread allocates (glibc: an arena of its own if it may)
+    except BaseException as exc:
+        errors.append(repr(exc))
+    done.wait()
+threads = [threading.Thread(target=work) for _ in range(16)]
+for t in threads:
+    t.start()
+done.set()
+for t in threads:
+    t.join()
+print(limit, pa.default_memory_pool().backend_name, threading.stack_size(), len(errors), arr.sum().as_py())
+"""
+
+
+def _child(code: str, env: dict, limit: int):
+    import resource
+    import subprocess
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return subprocess.run([sys.executable, "-c", code], env=env, preexec_fn=cap, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_process_under_a_limit_starts_bounded_and_its_threads_and_pool_fit():
+    """What a slot gets under pyspark.memory: started with `bounded_env` under a 700 MiB address
+    space, it loads pyarrow, allocates from its pool and runs 16 allocating threads."""
+    from dstl.spark import memory_limit
+
+    limit = 700 << 20
+    env = memory_limit.bounded_env({k: v for k, v in os.environ.items() if k not in memory_limit.BOUNDED_ENV},
+                                   limit)
+    assert env["MALLOC_ARENA_MAX"] == "2" and env["ARROW_DEFAULT_MEMORY_POOL"] == "system"
+    proc = _child(_BOUNDED_CHILD, env, limit)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = proc.stdout.split()
+    assert got == [str(limit), "system", str(memory_limit.THREAD_STACK), "0", str(sum(range(200_000)))]
+
+
+def test_bounded_env_keeps_what_the_user_set_and_changes_nothing_without_a_limit():
+    from dstl.spark import memory_limit
+
+    env = {"MALLOC_ARENA_MAX": "4", "PATH": "/bin"}
+    assert memory_limit.bounded_env(env, None) is env
+    out = memory_limit.bounded_env(env, 1 << 30)
+    assert out["MALLOC_ARENA_MAX"] == "4" and out["OPENBLAS_NUM_THREADS"] == "1" and out["PATH"] == "/bin"
+    assert env == {"MALLOC_ARENA_MAX": "4", "PATH": "/bin"}  # not changed in place
+    assert memory_limit.address_space_limit() is None or memory_limit.address_space_limit() > 0
+
+
+def _backend_with(storage, n: int):
+    from dstl.state.backend import KeyedStateBackend
+    from state_helpers import FULL, MAXP
+
+    backend = KeyedStateBackend(storage, "op", FULL, MAXP)
+    backend.value_state("count").update_many(list(range(n)), [1] * n)
+    backend.value_state("other").update_many(list(range(7)), [2] * 7)
+    return backend
+
+
+def test_the_check_fails_a_task_near_the_limit_naming_size_limit_and_setting(storage, monkeypatch):
+    from dstl.spark import memory_limit
+    from dstl.spark.memory_limit import SlotMemoryError
+
+    backend = _backend_with(storage, 1234)
+    entries = memory_limit.state_entries([backend])
+    assert entries == {"count": 1234, "other": 7}
+    peak = memory_limit.address_space()["VmPeak"]
+    memory_limit.check_after_task(0, peak + (1 << 30), entries, 5 << 20)  # far from the limit: nothing
+    memory_limit.check_after_task(0, None, entries)  # no limit: nothing
+    near = ((peak >> 20) + 16) << 20  # 16-17 MiB above the peak, a whole number of MiB
+    with pytest.raises(SlotMemoryError) as info:
+        memory_limit.check_after_task(3, near, entries, 5 << 20)
+    msg = str(info.value)
+    assert msg.startswith("subtask 3's state outgrows its slot's memory limit: it holds 1,234 keys "
+                          "('count': 1,234, 'other': 7), 5.0 MiB in its checkpoint's changelog"), msg
+    assert f"of its {near >> 20:,} MiB limit (spark.executor.pyspark.memory)" in msg
+    assert f"(now {near >> 20:,} MiB)" in msg
+    assert "raise spark.executor.pyspark.memory" in msg and "\n" not in msg
+    monkeypatch.setenv(memory_limit.ENV_CHECK, "off")
+    memory_limit.check_after_task(3, near, entries)
+
+
+def test_a_failed_allocation_under_a_limit_becomes_the_clear_error(storage):
+    from dstl.spark import memory_limit
+
+    entries = memory_limit.state_entries([_backend_with(storage, 10)])
+    for exc in (MemoryError(), RuntimeError("can't start new thread")):
+        err = memory_limit.out_of_memory(1, 512 << 20, exc, entries)
+        assert isinstance(err, memory_limit.SlotMemoryError)
+        assert str(err).startswith(f"subtask 1's slot ran out of its memory limit during the task "
+                                   f"({type(exc).__name__}"), str(err)
+        assert "10 keys ('count': 10, 'other': 7)" in str(err) and "512 MiB limit (spark.executor.pyspark.memory)" in str(err)
+    assert memory_limit.out_of_memory(1, 512 << 20, ValueError("x"), entries) is None
+    assert memory_limit.out_of_memory(1, None, MemoryError(), entries) is None  # no limit: not ours
+
+
+def test_the_driver_raises_the_slot_error_with_its_message_first():
+    from dstl.spark.memory_limit import SlotMemoryError, raise_from_worker
+
+    worker = RuntimeError("An exception was thrown from the Python worker:\nTraceback (most recent call last):\n"
+                          '  File "slots.py", line 345, in call\n    raise exc from remote\n'
+                          "dstl.spark.memory_limit.SlotMemoryError: subtask 0's state outgrows it\n")
+    with pytest.raises(SlotMemoryError, match="^subtask 0's state outgrows it$") as info:
+        raise_from_worker(worker)
+    assert info.value.__cause__ is worker
+    assert raise_from_worker(RuntimeError("ValueError: something else")) is None

@@ -129,7 +129,7 @@ def describe_state(entries: Dict[str, int], state_bytes: Optional[int]) -> str:
 
 
 def fix_hint(limit: int) -> str:
-    return (f"raise {SETTING} (now {limit // _MiB:,} MiB) and spark.executor.memoryOverhead by as much, "
+    return (f"raise {SETTING} (now {limit / _MiB:,.0f} MiB) and spark.executor.memoryOverhead by as much, "
             f"or spread the keys over more subtasks (parallelism), and restart: the job resumes from its "
             f"last checkpoint")
 
