@@ -89,9 +89,9 @@ def _output(base: str) -> pd.DataFrame:
 
 @heavy
 @pytest.mark.spark
-def test_heap_table_of_300k_keys_runs_under_1g(own_runtime, tmp_path):
-    """300,000 keys in batches of 200,000 rows (100,000-200,000 new keys each) under
-    pyspark.memory=1g on local[1]: the first batch and the later ones pass, output exact."""
+def test_heap_table_of_400k_keys_runs_under_1g(own_runtime, tmp_path):
+    """400,000 keys in batches of 200,000 rows (200,000, then 100,000 new keys each, the rest
+    updates) under pyspark.memory=1g on local[1]: the first batch and the later ones pass, output exact."""
     base, per = str(tmp_path / "job"), 200_000
     code, lines, out = _run(base, "1g", 0, 3, per)
     assert code == 0, out[-4000:]
