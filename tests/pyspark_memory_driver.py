@@ -6,7 +6,8 @@ Runs batches FIRST..LAST-1 through `stream.run` (a job at BASE is resumed from i
 Batch b holds the keys [b * KEYS_PER_BATCH // 2, b * KEYS_PER_BATCH // 2 + KEYS_PER_BATCH): half of
 them seen in batch b-1, half new. `count_keys` counts every key in one value state and emits
 (key, count) per row. Prints one JSON line per batch: {"batch": b, "ok": true} or, on failure,
-{"batch": b, "ok": false, "type": ..., "first_line": ...}, and exits 3 after a failure.
+{"batch": b, "ok": false, "type": ..., "first_line": ..., "slots_alive": n} (the slots still running
+10 s after the failure, with Spark's workers alive), and exits 3 after a failure.
 """
 from __future__ import annotations
 
@@ -31,6 +32,29 @@ def count_keys(rows, state):
     return pd.DataFrame({"k": keys, "n": total})
 
 
+def live_slots(wait_s: float) -> int:
+    """Slots of this runtime directory still running after up to `wait_s` seconds (a slot removes its
+    pid file when it exits)."""
+    import time
+
+    from dstl.changelog.upload.service.runtime import pid_alive
+    from dstl.spark.slots import slots_dir
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = 0
+        for name in os.listdir(slots_dir()):
+            if name.endswith(".pid"):
+                try:
+                    with open(os.path.join(slots_dir(), name)) as f:
+                        alive += pid_alive(int(f.read().strip()))
+                except (OSError, ValueError):
+                    continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 def main(argv) -> int:
     base, memory, first, last, per_batch = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
     kind = argv[6] if len(argv) > 6 and argv[5] == "--keys" else "int"
@@ -50,8 +74,10 @@ def main(argv) -> int:
             try:
                 result = stream.run(df)
             except Exception as exc:  # noqa: BLE001 - what the driver saw is the test's result
+                # Spark's workers still run: a slot gone now left because its state outgrew the limit
                 print(json.dumps({"batch": b, "ok": False, "type": type(exc).__name__,
-                                  "first_line": str(exc).splitlines()[0] if str(exc) else ""}), flush=True)
+                                  "first_line": str(exc).splitlines()[0] if str(exc) else "",
+                                  "slots_alive": live_slots(10.0)}), flush=True)
                 return 3
             print(json.dumps({"batch": b, "ok": True, "batch_id": result.batch_id}), flush=True)
     finally:

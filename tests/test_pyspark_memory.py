@@ -104,7 +104,8 @@ def test_heap_table_of_400k_keys_runs_under_1g(own_runtime, tmp_path):
 def test_state_outgrowing_the_limit_fails_clearly_and_resumes_with_a_larger_one(own_runtime, tmp_path):
     """Under a 600m limit the state grows until a batch fails with SlotMemoryError, its message the
     driver's first line, naming the state's size, the limit and the setting; nothing is lost: the
-    same job rerun under 1g resumes at that batch and the output is exact."""
+    same job rerun under 1g resumes at that batch and the output is exact. The slot exits with its
+    state."""
     # batches of 300,000 rows keep Spark's own worker well inside 600m (500,000 took it to 552 MiB)
     base, per, planned = str(tmp_path / "job"), 300_000, 12
     code, lines, out = _run(base, "600m", 0, planned, per)
@@ -118,6 +119,7 @@ def test_state_outgrowing_the_limit_fails_clearly_and_resumes_with_a_larger_one(
         first.startswith("subtask 0's slot ran out of its memory limit"), first
     assert "keys ('count': " in first and "600 MiB" in first and "spark.executor.pyspark.memory" in first, first
     assert "spark.executor.memoryOverhead" in first, first
+    assert failed["slots_alive"] == 0, failed  # the slot left with its state, freeing its memory
 
     code, lines, out = _run(base, "1g", failed["batch"], failed["batch"] + 2, per)
     assert code == 0, out[-4000:]
