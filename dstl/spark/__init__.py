@@ -34,6 +34,7 @@ _EXPORTS: Dict[str, str] = {
     "read_state": "dstl.spark.state_reader", "read_changes": "dstl.spark.state_reader",
     "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
     "rewind_query_checkpoint": "dstl.spark.query_checkpoint",
+    "SlotMemoryError": "dstl.spark.memory_limit",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -53,6 +53,11 @@ class StateCache:
         self.misses = 0
         self.stale_closed = 0
 
+    def backends(self) -> Tuple[Any, ...]:
+        """The live backends held now (a task's own is out of the cache while it runs)."""
+        with self._lock:
+            return tuple(e.backend for e in self._entries.values())
+
     def acquire(self, key: Hashable, checkpoint_id: Optional[int], token: Optional[str]) -> Optional[Any]:
         """Take the backend for `key` if it is exactly at the completed checkpoint `(checkpoint_id, token)`.
 

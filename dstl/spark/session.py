@@ -194,6 +194,16 @@ def batch_tag(description: str) -> str:
     return description.replace(",", ";") or "dstl"
 
 
+def _collect(df):
+    try:
+        return df.collect()
+    except Exception as exc:
+        from dstl.spark.memory_limit import raise_from_worker
+
+        raise_from_worker(exc)  # a slot's state outgrowing its memory limit: that error, its message first
+        raise
+
+
 def collect(spark, df, description: str):
     """`df.collect()` with its jobs named by `description`, so a batch's jobs can be told apart in
     the UI and the event log: a classic session sets it as the job description
@@ -203,7 +213,7 @@ def collect(spark, df, description: str):
         tag = batch_tag(description)
         spark.addTag(tag)  # thread-local on the client: it names this thread's operations only
         try:
-            return df.collect()
+            return _collect(df)
         finally:
             spark.removeTag(tag)
     key = "spark.job.description"
@@ -214,7 +224,7 @@ def collect(spark, df, description: str):
     except Exception:  # noqa: BLE001 - no context to set it on: the rows all the same
         sc = None
     try:
-        return df.collect()
+        return _collect(df)
     finally:
         if sc is not None:
             sc.setLocalProperty(key, saved)

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dstl.runtime_dir import file_lock, pid_alive, runtime_root, socket_root
+from dstl.spark.memory_limit import address_space_limit, bounded_env
 from dstl.spark.session import FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV
 
 ENV_SWITCH = "DSTL_SPARK_SLOTS"
@@ -188,7 +189,10 @@ def _spawn(name: str, p: Dict[str, str]) -> int:
     never lingers as a zombie); returns its pid."""
     boot = ("import json, os, sys; sys.path[:0] = [p for p in json.loads(os.environ.pop('DSTL_SLOT_SYSPATH'))"
             " if p not in sys.path]; from dstl.spark.slot_process import main; main(sys.argv[1:])")
-    env = dict(os.environ, DSTL_SLOT_SYSPATH=json.dumps([p for p in sys.path if p]))
+    # under spark.executor.pyspark.memory the slot inherits the worker's address-space limit: it
+    # starts with its allocators bounded (dstl.spark.memory_limit), and so does what it starts
+    env = bounded_env(dict(os.environ, DSTL_SLOT_SYSPATH=json.dumps([p for p in sys.path if p])),
+                      address_space_limit())
     log = open(p["log"], "ab")
     try:
         # a tiny intermediate process starts the slot and exits: the slot is re-parented

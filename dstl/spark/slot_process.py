@@ -20,7 +20,7 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from dstl.runtime_dir import pid_alive
-from dstl.spark import cache, heap, slot_client
+from dstl.spark import cache, heap, memory_limit, slot_client
 from dstl.spark.cache import IDLE_TIMEOUT_S
 from dstl.spark.session import serve_executor
 from dstl.spark.task import run_subtask
@@ -87,6 +87,10 @@ class Slot:
         self.last_used = time.monotonic()
         self.tasks = 0
         self._sys_path: List[str] = []
+        #: the address-space limit the slot inherited (spark.executor.pyspark.memory), None if none
+        self.limit: Optional[int] = memory_limit.address_space_limit()
+        #: set by a task that found the state outgrowing the limit: exit once its reply is sent
+        self._outgrown = False
 
     # ---------------------------------------------------------------- serving
 
@@ -120,6 +124,10 @@ class Slot:
                     if self._handle(conn) == "exit":
                         reason = "asked to exit while idle"
                         break
+                if self._outgrown:
+                    # the state leaves with the process, and with it the address space it reserved
+                    reason = "its subtask's state outgrew the memory limit"
+                    break
             self._drain(srv, inode)
         finally:
             srv.close()
@@ -210,11 +218,23 @@ class Slot:
         serve_executor(pid, eid)
 
     def _run(self, request: Dict[str, Any], hop_ms: float) -> Dict[str, Any]:
+        subtask = request["subtask"]
+        before = memory_limit.state_entries(cache.CACHE.backends()) if self.limit is not None else {}
         try:
-            report = run_subtask(request["plan"], request["fn"], request["rows"], request["subtask"],
+            report = run_subtask(request["plan"], request["fn"], request["rows"], subtask,
                                  request["attempt"], request["arrow_schema"])
-        except BaseException as exc:  # noqa: BLE001 - the task's failure travels back to Spark
+            memory_limit.check_after_task(subtask, self.limit, memory_limit.state_entries(cache.CACHE.backends()),
+                                          report.get("state_size"))
+        except memory_limit.SlotMemoryError as exc:
+            self._outgrown = True
             return self._error(exc)
+        except BaseException as exc:  # noqa: BLE001 - the task's failure travels back to Spark
+            starved = memory_limit.out_of_memory(subtask, self.limit, exc, before)
+            if starved is None:
+                return self._error(exc)
+            self._outgrown = True
+            starved.__cause__ = exc
+            return self._error(starved)
         report["hop_ms"] = hop_ms  # the rows' way from the worker to this process
         return {"ok": True, "report": report}
 
@@ -233,6 +253,7 @@ def main(argv: List[str]) -> None:
     name, sock_path = argv[0], argv[1]
     logging.basicConfig(level=os.environ.get("DSTL_SPARK_SLOT_LOG", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s slot {name} pid {os.getpid()} %(levelname)s %(name)s: %(message)s")
+    memory_limit.bound_process()
     heap.own_process()
     Slot(name, sock_path).serve()
 
