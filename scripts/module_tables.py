@@ -1,6 +1,7 @@
 """The module tables and the size table of docs/contributing.md, read from the tree.
 
-  python scripts/module_tables.py --write docs/contributing.md   # refresh both tables in that page
+  python scripts/module_tables.py --write docs/contributing.md   # refresh both tables and the layer
+                                                                 # diagram (scripts/import_graph.py)
   python scripts/module_tables.py --check docs/contributing.md   # list what differs; exit 1 if any
 
 Each package under dstl/ gets a table of its modules (.py and .pyx), each described by the first
@@ -17,6 +18,9 @@ import re
 import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import import_graph  # noqa: E402  (the sibling script: --write refreshes its diagram too)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PACKAGE = "dstl"
@@ -134,8 +138,11 @@ def main(argv: Optional[List[str]] = None, root: str = ROOT) -> int:
         diff = differences(text, root)
         print("\n".join(diff) if diff else f"{page}: the tables match the tree")
         return 1 if diff else 0
+    text = refreshed(text, root)
+    if import_graph.START in text:
+        text = import_graph.embed(text, import_graph.mermaid(root))
     with open(page, "w", encoding="utf-8") as f:
-        f.write(refreshed(text, root))
+        f.write(text)
     return 0
 
 
