@@ -27,10 +27,12 @@ def test_a_small_pandas_batch_is_broadcast_and_a_large_one_shuffled(monkeypatch)
     monkeypatch.setattr(routing, "BROADCAST_MAX_BYTES", 64_000)
     small = pd.DataFrame({"user": [f"u{i}" for i in range(100)], "value": np.arange(100)})
     assert routing.choose_route(small) == routing.BROADCAST
-    # the size counts the strings' characters, not only the column pointers
-    wide = pd.DataFrame({"user": ["x" * 1000] * 100, "value": np.arange(100)})
+    # the size counts the strings' characters, not only the column pointers (object strings, pandas
+    # 2's default), and under pandas 3's str dtype, whose buffers hold the characters themselves
+    wide = pd.DataFrame({"user": pd.Series(["x" * 1000] * 100, dtype=object), "value": np.arange(100)})
     assert wide.memory_usage(index=False, deep=False).sum() < 64_000
     assert routing.choose_route(wide) == routing.SHUFFLE
+    assert routing.choose_route(pd.DataFrame({"user": ["x" * 1000] * 100})) == routing.SHUFFLE
     assert routing.choose_route(pd.DataFrame({"v": np.arange(10_000)})) == routing.SHUFFLE
 
 

@@ -67,6 +67,19 @@ def test_file_source_reads_csv_and_parquet(tmp_path):
         FileSource(str(tmp_path / "bad.parquet"), 2)
 
 
+def test_file_source_reads_text_timestamps_and_rejects_other_text(tmp_path):
+    # a CSV's timestamps are text (pandas 2: object, pandas 3: str); both become int microseconds
+    df = pd.DataFrame({"user_id": ["a", "b"], "item_id": [1, 2], "amount_cents": [10, 20],
+                       "ts": ["2024-05-01 00:00:00.0", "2024-05-01 00:00:01.5"]})
+    df.to_csv(tmp_path / "t.csv", index=False)
+    src = FileSource(str(tmp_path / "t.csv"), 1)
+    assert src.all()["ts"].tolist() == [1_714_521_600_000_000, 1_714_521_601_500_000]
+    assert src.spark_type("ts") == "long" and src.spark_type("user_id") == "string"
+    df.assign(ts=["soon", "later"]).to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(ValueError, match="column ts is neither integer microseconds nor timestamps"):
+        FileSource(str(tmp_path / "bad.csv"), 1)
+
+
 def test_operator_matches_reference_in_memory():
     src = SyntheticSource(3000, 3, users=40, items=15, seed=3)
     state = MemoryState()

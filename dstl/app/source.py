@@ -110,7 +110,7 @@ class FileSource:
             if df[c].isna().any():
                 raise ValueError(f"--input {path}: column {c} has nulls")
         ts = df["ts"]
-        if ts.dtype == object:  # CSV: timestamps as text
+        if _is_text(ts.dtype):  # CSV: timestamps as text
             try:
                 ts = pd.to_datetime(ts)
             except (ValueError, TypeError) as exc:
@@ -143,4 +143,11 @@ class FileSource:
         return self._df
 
     def spark_type(self, col: str) -> str:
-        return "string" if self._df[col].dtype == object else "long"
+        return "string" if _is_text(self._df[col].dtype) else "long"
+
+
+def _is_text(dtype) -> bool:
+    """Whether a column holds text: pandas 2 reads it as ``object``, pandas 3 as its ``str`` dtype."""
+    import pandas as pd
+
+    return dtype == object or pd.api.types.is_string_dtype(dtype)
