@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import List, Optional, Tuple
 from urllib.parse import urlsplit
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te", "trailer"}
@@ -261,6 +261,15 @@ class ProxyProcess:
                 return json.load(f)
         except (OSError, ValueError):
             return {}
+
+    def requests(self) -> List[Tuple[float, str, str]]:
+        """Every request logged so far as (arrival time, method, path with query)."""
+        try:
+            with open(self.control + ".log") as f:
+                rows = [line.split()[:3] for line in f if line[:1].isdigit()]
+        except FileNotFoundError:
+            return []
+        return [(float(t), method, path) for t, method, path in rows]
 
     def stop(self) -> Optional[int]:
         if self.proc.poll() is None:

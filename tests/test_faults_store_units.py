@@ -129,3 +129,31 @@ def test_output_commit_takes_a_listing_a_copy_per_file_and_one_delete(proxied, c
     assert len(copies) == p, made
     assert len(made) <= 2 * p + 8, [" ".join(r) for r in made]
     assert not coord.commit_output(meta)  # done: _SUCCESS is there
+
+
+def test_a_lease_check_on_s3_is_one_listing_and_still_fences_a_takeover(proxied):
+    """Once the driver has read its epoch file back, a lease check compares the listing's ETag of
+    the newest epoch with its own: one LIST. A takeover (a newer epoch) and an epoch file of the
+    same number written by another run (another writer id, another ETag) still fail the check."""
+    import fsspec
+
+    from dstl.state.fencing import LEASE_DIR, BasePathInUseError, WriterLease
+
+    proxy, bucket = proxied
+    base = f"{bucket}/leased"
+    lease = WriterLease.acquire(base, "job-a")
+    lease.check()  # the first check reads the record once
+    before = len(_requests(proxy))
+    lease.check()
+    made = _requests(proxy)[before:]
+    assert len(made) == 1 and made[0][0] == "GET" and "list-type" in made[0][1], made
+    # the lease directory replaced under us by another run's epoch 1
+    fs = fsspec.filesystem("s3")
+    epoch_file = f"{base}/{LEASE_DIR}/epoch-{lease.epoch:012d}.json"[len("s3://"):]
+    fs.pipe_file(epoch_file, b'{"epoch": 1, "writer": "someone-else", "job_id": "job-b"}')
+    with pytest.raises(BasePathInUseError, match="job-b"):
+        lease.check()
+    newer = WriterLease.acquire(base, "job-c")
+    with pytest.raises(BasePathInUseError, match="job-c"):
+        lease.check()
+    newer.check()

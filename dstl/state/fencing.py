@@ -53,21 +53,35 @@ def _epoch_path(root: str, epoch: int) -> str:
     return dfs.join(root, LEASE_DIR, f"epoch-{epoch:012d}.json")
 
 
-def _epochs(fs, root: str) -> List[int]:
+def _listing(fs, root: str) -> Dict[int, Dict[str, Any]]:
+    """{epoch: the listing's entry of its file} (one LIST on an object store)."""
     directory = dfs.join(root, LEASE_DIR)
     fs.invalidate_cache(directory)
     try:
-        names = fs.ls(directory, detail=False)
+        entries = fs.ls(directory, detail=True)
     except FileNotFoundError:
-        return []
+        return {}
     finally:
         fs.invalidate_cache(directory)
-    out = []
-    for n in names:
-        m = _EPOCH_RE.match(n.rstrip("/").rsplit("/", 1)[-1])
+    out = {}
+    for e in entries:
+        m = _EPOCH_RE.match(e["name"].rstrip("/").rsplit("/", 1)[-1])
         if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+            out[int(m.group(1))] = e
+    return out
+
+
+def _epochs(fs, root: str) -> List[int]:
+    return sorted(_listing(fs, root))
+
+
+def _identity(entry: Dict[str, Any]) -> Optional[str]:
+    """What an object store's listing says of one object's content (its ETag), or None where the
+    listing has none (local disk): then the file itself is read."""
+    for key in ("ETag", "etag", "md5Hash"):
+        if entry.get(key):
+            return str(entry[key])
+    return None
 
 
 def _read_epoch(fs, root: str, epoch: int) -> Optional[Dict[str, Any]]:
@@ -90,12 +104,16 @@ def current_holder(base_path: str) -> Optional[Dict[str, Any]]:
 class WriterLease:
     """This run's claim on a base path (see the module docstring)."""
 
-    def __init__(self, base_path: str, job_id: str, epoch: int, writer: str, started_at: str):
+    def __init__(self, base_path: str, job_id: str, epoch: int, writer: str, started_at: str,
+                 identity: Optional[str] = None):
         self.base_path = base_path.rstrip("/")
         self.job_id = job_id
         self.epoch = epoch
         self.writer = writer
         self.started_at = started_at
+        # the listing's ETag of our epoch file, once read back from its content: a check is then one
+        # LIST (another writer's file, under any epoch number, has another ETag: its writer id differs)
+        self.identity = identity
 
     @classmethod
     def acquire(cls, base_path: str, job_id: str) -> "WriterLease":
@@ -133,8 +151,15 @@ class WriterLease:
     def check(self) -> None:
         """BasePathInUseError unless this run still holds the base path (call before writing a
         checkpoint, committing output or deleting a file)."""
-        epoch, record = self.holder()
+        fs, root = dfs.root_of(self.base_path)
+        listing = _listing(fs, root)
+        epoch = max(listing) if listing else 0
+        seen = _identity(listing[epoch]) if epoch else None
+        if epoch == self.epoch and seen is not None and seen == self.identity:
+            return
+        record = _read_epoch(fs, root, epoch) if epoch else None
         if epoch == self.epoch and record is not None and record.get("writer") == self.writer:
+            self.identity = seen  # read once: later checks compare the listing's ETag
             return
         if record is None:  # the lease directory was removed under us: someone else manages it
             record = {"job_id": "?", "started_at": "?"}
