@@ -30,19 +30,19 @@ test: build
 
 # Both halves at once: the twins' run, niced, fills the CPU that the Spark scenarios of the Cython run
 # leave idle while they wait on JVMs, stalls and timeouts; after it, in the same background chain, the
-# fast tier under pandas 3 (test-pandas3). Their output follows the Cython run's. Each run ends with its
+# fast tier under pandas 2 (test-pandas2). Their output follows the Cython run's. Each run ends with its
 # slowest tests: the tier's time budget (docs/contributing.md).
 ALL_ARGS = MARK= PYTEST_ARGS="--durations=25 $(PYTEST_ARGS)"
 test-all: build
-	@mkdir -p build && rm -f build/test-pure.log build/test-pure.rc build/test-pandas3.log build/test-pandas3.rc
+	@mkdir -p build && rm -f build/test-pure.log build/test-pure.rc build/test-pandas2.log build/test-pandas2.rc
 	@(nice -n 10 $(MAKE) --no-print-directory test-pure $(ALL_ARGS) > build/test-pure.log 2>&1; \
 	  echo $$? > build/test-pure.rc; \
-	  nice -n 10 $(MAKE) --no-print-directory pandas3-tier PYTEST_ARGS="--durations=10 $(PYTEST_ARGS)" \
-	    > build/test-pandas3.log 2>&1; echo $$? > build/test-pandas3.rc) & \
+	  nice -n 10 $(MAKE) --no-print-directory pandas2-tier PYTEST_ARGS="--durations=10 $(PYTEST_ARGS)" \
+	    > build/test-pandas2.log 2>&1; echo $$? > build/test-pandas2.rc) & \
 	$(MAKE) --no-print-directory test-cython $(ALL_ARGS); c=$$?; wait; \
 	echo "=== the twins' run (DSTL_PUREPYTHON=1), beside the Cython run ==="; cat build/test-pure.log; \
-	echo "=== the fast tier under pandas 3 (make test-pandas3), after the twins' run ==="; cat build/test-pandas3.log; \
-	test $$c -eq 0 && test "$$(cat build/test-pure.rc)" -eq 0 && test "$$(cat build/test-pandas3.rc)" -eq 0
+	echo "=== the fast tier under pandas 2 (make test-pandas2), after the twins' run ==="; cat build/test-pandas2.log; \
+	test $$c -eq 0 && test "$$(cat build/test-pure.rc)" -eq 0 && test "$$(cat build/test-pandas2.rc)" -eq 0
 
 test-cython:
 	$(PY) -m pytest -q -p no:cacheprovider $(if $(MARK),-m "$(MARK)") $(PYTEST_ARGS) tests
@@ -50,30 +50,30 @@ test-cython:
 test-pure:
 	DSTL_PUREPYTHON=1 $(PY) -m pytest -q -p no:cacheprovider $(if $(MARK),-m "$(MARK)") $(PYTEST_ARGS) tests
 
-# The fast tier, Cython build, under pandas 3 (pandas 2 is what .venv resolves to beside PySpark's own
-# pins; both are supported). Its venv holds dstl's requirements with pandas>=3, listed from .venv's
+# The fast tier, Cython build, under pandas 2 (a fresh .venv resolves the newest pandas, 3; both are
+# supported). Its venv holds dstl's requirements with pandas>=2,<3, listed from .venv's
 # install of this checkout (scripts/requirements.py), and the checkout itself on its path (a .pth,
 # as an editable install writes): the extension `make build` compiled is the one tested, and no
 # second build writes into the tree while another run uses it.
-VENV_PD3 ?= .venv-pandas3
+VENV_PD3 ?= .venv-pandas2
 PY_PD3 := $(VENV_PD3)/bin/python
 STAMP_PD3 := $(VENV_PD3)/.installed-stamp
 $(STAMP_PD3): $(STAMP)
 	test -x $(PY_PD3) || $(PYTHON) -m venv $(VENV_PD3)
 	$(PY_PD3) -m pip install -q -U pip setuptools wheel
 	@mkdir -p build
-	$(PY) scripts/requirements.py test --override "pandas>=3" > build/pandas3-requirements.txt
-	$(PY_PD3) -m pip install -q -r build/pandas3-requirements.txt
+	$(PY) scripts/requirements.py test --override "pandas>=2,<3" > build/pandas2-requirements.txt
+	$(PY_PD3) -m pip install -q -r build/pandas2-requirements.txt
 	echo "$(CURDIR)" > "$$($(PY_PD3) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dstl-checkout.pth"
 	touch $(STAMP_PD3)
 
-.PHONY: test-pandas3 pandas3-tier
-test-pandas3: build
-	$(MAKE) --no-print-directory pandas3-tier
+.PHONY: test-pandas2 pandas2-tier
+test-pandas2: build
+	$(MAKE) --no-print-directory pandas2-tier
 
 # test-all runs this one, beside the Cython run: `build` is done, and must not run again meanwhile
-pandas3-tier: $(STAMP_PD3)
-	$(PY_PD3) -c "import pandas, dstl; assert int(pandas.__version__.split('.')[0]) >= 3, pandas.__version__; \
+pandas2-tier: $(STAMP_PD3)
+	$(PY_PD3) -c "import pandas, dstl; assert int(pandas.__version__.split('.')[0]) == 2, pandas.__version__; \
 	  assert dstl.IMPLEMENTATION == 'cython', dstl.IMPLEMENTATION; print('pandas', pandas.__version__)"
 	$(PY_PD3) -m pytest -q -p no:cacheprovider -m "not heavy" $(PYTEST_ARGS) tests
 

@@ -1,9 +1,9 @@
 """The requirements of the installed dstl distribution and of some of its extras, one a line.
 
-  python scripts/requirements.py test --override "pandas>=3" > reqs.txt
+  python scripts/requirements.py test --override "pandas>=2,<3" > reqs.txt
 
 For a venv that runs this checkout's tests without installing the checkout into it (`make
-test-pandas3`: the checkout goes on its path instead, so the extension `make build` compiled is the
+test-pandas2`: the checkout goes on its path instead, so the extension `make build` compiled is the
 one tested, and no second build writes into the tree). Run it with a Python where the checkout is
 installed (`.venv`, whose install `make` refreshes whenever pyproject.toml changes). An `--override`
 replaces the requirement of the same name.
