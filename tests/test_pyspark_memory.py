@@ -238,7 +238,8 @@ def test_a_failed_allocation_under_a_limit_becomes_the_clear_error(storage):
 
 
 def test_the_driver_raises_the_slot_error_with_its_message_first():
-    from dstl.spark.memory_limit import SlotMemoryError, raise_from_worker
+    from dstl.spark.errors import raise_from_worker
+    from dstl.spark.memory_limit import SlotMemoryError
 
     worker = RuntimeError("An exception was thrown from the Python worker:\nTraceback (most recent call last):\n"
                           '  File "slots.py", line 345, in call\n    raise exc from remote\n'

@@ -168,13 +168,3 @@ def out_of_memory(subtask: int, limit: Optional[int], exc: BaseException,
         f"{str(exc)[:200] or 'no message'}): its state holds {describe_state(entries, None)} "
         f"before the batch, the slot process reached {vm.get('VmPeak', 0) / _MiB:,.0f} MiB of address space "
         f"of its {limit / _MiB:,.0f} MiB limit ({SETTING}); {fix_hint(limit)}")
-
-
-def raise_from_worker(exc: BaseException) -> None:
-    """On the driver: re-raise a task failure whose worker traceback ends in `SlotMemoryError` as
-    that error, its message first (Spark's own wraps it twenty lines down); otherwise return."""
-    marker = f"{SlotMemoryError.__name__}: "
-    for line in reversed(str(exc).splitlines()):
-        at = line.find(marker)
-        if at >= 0:
-            raise SlotMemoryError(line[at + len(marker):].strip()) from exc

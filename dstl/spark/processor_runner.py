@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import numpy as np
 
 from dstl.spark import task as K
+from dstl.spark.errors import ProcessorError, processor_failed
 from dstl.spark.keys import unpack_key as key_of
 from dstl.spark.processor_context import BatchContext, is_stateful_processor
 from dstl.spark.processor_handle import ProcessorHandle
@@ -170,6 +171,11 @@ def _run_processor(processor: Any, rows, backend, ctx: BatchContext, key_col: st
                 timers.delete(k, ts)
                 fired += 1
         ctx.metrics["timers_fired"] = ctx.metrics.get("timers_fired", 0) + fired
+    except Exception as exc:
+        if isinstance(exc, ProcessorError):
+            raise
+        k = handle._key
+        raise processor_failed(processor, None if k is None else key_of(k) if composite else (k,), exc) from exc
     finally:
         handle._key = None
         processor.close()
@@ -308,8 +314,14 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
         def vectorised_fn(rows, backend):
             backend.ttl_clock = lambda: ts  # TTL states of fn expire against the batch timestamp
             rows = prepare(rows)
-            return fn(rows, backend) if len(rows) else None
+            if not len(rows):
+                return None
+            try:
+                return fn(rows, backend)
+            except Exception as exc:
+                raise processor_failed(fn, None, exc) from exc
 
+        vectorised_fn.processor = fn  # type: ignore[attr-defined]  # named in errors
         return vectorised_fn
 
     def task_fn(rows, backend):
@@ -325,4 +337,5 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
         K.task_metrics().update(local.metrics)
         return out
 
+    task_fn.processor = processor  # type: ignore[attr-defined]  # named in errors
     return task_fn

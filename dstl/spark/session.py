@@ -198,9 +198,9 @@ def _collect(df):
     try:
         return df.collect()
     except Exception as exc:
-        from dstl.spark.memory_limit import raise_from_worker
+        from dstl.spark.errors import raise_from_worker
 
-        raise_from_worker(exc)  # a slot's state outgrowing its memory limit: that error, its message first
+        raise_from_worker(exc)  # the worker's cause (memory limit, store, processor, slot) as the first line
         raise
 
 

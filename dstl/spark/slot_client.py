@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dstl.runtime_dir import file_lock, pid_alive, runtime_root, socket_root
+from dstl.spark.errors import SlotError
 from dstl.spark.memory_limit import address_space_limit, bounded_env
 from dstl.spark.session import FORWARDED_ENV_PREFIXES, LOCAL_ONLY_ENV
 
@@ -50,10 +51,6 @@ START_TIMEOUT_S = float(os.environ.get("DSTL_SPARK_SLOT_START_S", "120"))
 DIR_NAME = "_slots"
 _LEN = struct.Struct("<Q")
 _HEAD = struct.Struct("<QI")
-
-
-class SlotError(RuntimeError):
-    """The slot process could not be started, or died while it ran the task."""
 
 
 class RemoteTraceback(Exception):

@@ -570,7 +570,9 @@ def _parse_output_schema(schema: Any, spark_only: bool = False):
         arrow_output_schema(struct)
         return struct
     except Exception as exc:
-        raise ValueError(f"output_schema {schema!r} is not a valid DDL string or StructType: {exc}") from None
+        # Spark's parse errors begin with a line break: the reason goes on the first line
+        raise ValueError(f"output_schema {schema!r} is not a valid DDL string or StructType: "
+                         f"{str(exc).strip() or type(exc).__name__}") from exc
 
 
 def _packed_key_column(df, keys: List[str]):

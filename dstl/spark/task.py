@@ -27,6 +27,7 @@ from dstl.changelog.fs import filesystem
 from dstl.config import StorageConfig
 from dstl.spark import faults, heap, slot_client
 from dstl.spark.cache import CACHE, CacheEntry, storage_for
+from dstl.spark.errors import output_lacks_columns
 from dstl.spark.memory import MemoryState
 from dstl.spark.plan import CheckpointPlan
 from dstl.spark.restore import (last_snapshot_files, prune_local_copies, remember_snapshot_files,
@@ -102,7 +103,8 @@ def refuse_null_keys(fn: Callable, key: str) -> Callable:
 
 # ------------------------------------------------------------------ the task
 
-def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_schema) -> Tuple[Optional[str], int]:
+def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_schema,
+                  fn: Any = None) -> Tuple[Optional[str], int]:
     if out is None or len(out) == 0:
         return None, 0
     if isinstance(out, (pa.RecordBatch, pa.Table)):  # the row API's output: already Arrow
@@ -113,7 +115,8 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
     else:
         missing = [n for n in arrow_schema.names if n not in out.columns]
         if missing:
-            raise ValueError(f"fn's output lacks the schema's columns {missing}")
+            # the processor's name, not the task function's that wraps it
+            raise output_lacks_columns(getattr(fn, "processor", fn), missing, list(out.columns))
         table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
     path = f"{plan.staging_dir()}/part-{subtask:05d}-{token}.parquet"
     fs, fs_path = filesystem(path)
@@ -169,7 +172,7 @@ def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt
         finally:
             _TASK["subtask"] = None
         t2 = time.perf_counter()
-        staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
+        staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema, fn)
         snapshot = backend.snapshot(plan.checkpoint_id).result()
         t3 = time.perf_counter()
         payload = snapshot.to_bytes()
@@ -221,7 +224,7 @@ def _run_in_memory(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attem
     t1 = time.perf_counter()
     out = fn(rows, state) if len(rows) else None
     t2 = time.perf_counter()
-    staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema)
+    staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema, fn)
     return dict(subtask=subtask, attempt=attempt, token=token, snapshot=b"", staged=staged,
                 rows_in=len(rows), rows_out=rows_out, restored=False, restore_ms=0.0, start_ms=0.0,
                 process_ms=(t2 - t1) * 1e3, snapshot_ms=0.0, state_size=0, pid=os.getpid(),
