@@ -35,6 +35,8 @@ _EXPORTS: Dict[str, str] = {
     "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
     "rewind_query_checkpoint": "dstl.spark.query_checkpoint",
     "SlotMemoryError": "dstl.spark.memory_limit",
+    "progress_of": "dstl.spark.progress", "ProcessorError": "dstl.spark.errors",
+    "OutputSchemaError": "dstl.spark.errors", "SlotError": "dstl.spark.errors",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -37,6 +37,7 @@ from dstl.changelog.fs import filesystem, probe_base_path
 from dstl.config import storage_config
 from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, compute_default_max_parallelism
 from dstl.spark import faults, routing
+from dstl.spark import progress as P
 from dstl.spark.batch import BatchResult, is_pandas, run_batch
 from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, CheckpointStats, JobConflictError, JobSpec
 from dstl.spark.keys import KEY_COL, check_key_types, normalize_keys, pack_columns
@@ -230,6 +231,26 @@ class StatefulStream:
         self._stage = None
         #: the latest batches' results (a long-running query keeps only these)
         self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
+        #: the batches' progress records and their listeners (dstl.spark.progress)
+        self.progress = P.ProgressLog()
+
+    # ---------------------------------------------------------------- progress (dstl.spark.progress)
+    @property
+    def lastProgress(self) -> Optional[Dict[str, Any]]:  # noqa: N802 - Spark's name
+        """The latest batch's progress record, shaped like Spark's (None before the first batch)."""
+        return self.progress.last
+
+    @property
+    def recentProgress(self) -> List[Dict[str, Any]]:  # noqa: N802 - Spark's name
+        """The latest batches' progress records, oldest first (at most 100)."""
+        return self.progress.recent
+
+    def add_listener(self, fn: Callable[[Dict[str, Any]], None]) -> None:
+        """Call `fn(record)` after every committed batch, in the process that ran it."""
+        self.progress.add_listener(fn)
+
+    def remove_listener(self, fn: Callable[[Dict[str, Any]], None]) -> None:
+        self.progress.remove_listener(fn)
 
     # ---------------------------------------------------------------- open or create
     def open(self):
@@ -415,7 +436,7 @@ class StatefulStream:
             return {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts,
                     "late_rows": late, "null_rows_dropped": sum(r.metric("null_rows") for r in reports),
                     "time_mode": self.time_mode, "state_schemas": self._schemas or {},
-                    "timers_fired": fired, **after.properties(marks)}
+                    "timers_fired": fired, "progress": P.checkpoint_figures(reports), **after.properties(marks)}
 
         run = run_batch(coord, df, self.processor, self._output_struct_type(), key=self.key,
                         parallelism=self.parallelism, stage_for=self._stage_for, spark=spark, batch_id=batch_id,
@@ -439,6 +460,7 @@ class StatefulStream:
                        "commit": (t_end - run.tasks_done) * 1e3})
         res.seconds = time.perf_counter() - run.started
         self.results.append(res)
+        self.progress.publish(P.batch_progress(res, self.parallelism, **P.query_ids(spark)))
         return res
 
     def _watermarks(self, spark, latest):

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from dstl.changelog.fs import filesystem
 from dstl.config import StorageConfig
 from dstl.spark import faults, heap, slot_client
+from dstl.spark import task_figures as figures
 from dstl.spark.cache import CACHE, CacheEntry, storage_for
 from dstl.spark.errors import output_lacks_columns
 from dstl.spark.memory import MemoryState
@@ -167,6 +168,7 @@ def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt
         t_start = time.perf_counter()
         _fault_mid_batch(plan, fn, rows, backend, subtask)
         _TASK["subtask"], _TASK["metrics"] = subtask, {}
+        uploads = figures.upload_mark(storage)
         try:
             out = fn(rows, backend) if len(rows) or plan.call_without_rows else None
         finally:
@@ -175,6 +177,9 @@ def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt
         staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema, fn)
         snapshot = backend.snapshot(plan.checkpoint_id).result()
         t3 = time.perf_counter()
+        # the batch's progress record (dstl.spark.progress): rows held, what the batch uploaded
+        _TASK["metrics"][figures.ROWS_TOTAL] = figures.state_rows(backend)
+        _TASK["metrics"].update(figures.upload_delta(storage, uploads))
         payload = snapshot.to_bytes()
     except BaseException:
         # half-updated: never cached, never used again; its uploads are unreferenced garbage
