@@ -140,6 +140,9 @@ def checkpoint_summary(base_path: str, meta) -> Dict[str, Any]:
         # the batch's subtasks: warm / restored / moved and the slowest restore (dstl.spark.placement)
         "placement": {k: v for k, v in (meta.properties.get("placement") or {}).items()
                       if k in ("warm", "restored", "moved", "restore_ms_max", "executors", "sources")},
+        # the batch's progress figures (dstl.spark.progress) and Spark's batch id
+        "batch_id": meta.properties.get("spark_batch_id"),
+        "progress": dict(meta.properties.get("progress") or {}),
     }
 
 
@@ -154,6 +157,17 @@ def _placement(p: Dict[str, Any]) -> str:
     froms = sorted({s for s in p.get("sources") or () if s not in ("memory", "new")})
     return f"{p['warm']}/{p['restored']}/{p['moved']} ({p['restore_ms_max']:.0f})" + \
         (f" {','.join(froms)}" if froms else "")
+
+
+def _progress(p: Dict[str, Any], batch_id: Any) -> str:
+    """The batch's figures in a cell: batch id, rows in/out, state rows, update and commit ms, uploads."""
+    if not p:
+        return "-"
+    rows = p.get("numRowsTotal", -1)
+    uploads = p.get("ChangelogStorage.numberOfUploadRequests", 0)
+    return (f"b{batch_id} {p.get('dstlRowsIn', 0)}>{p.get('dstlRowsOut', 0)} "
+            f"rows={rows if rows >= 0 else '?'} upd={p.get('allUpdatesTimeMs', 0)}ms "
+            f"commit={p.get('commitTimeMs', 0)}ms up={uploads}/{_size(p.get('ChangelogStorage.uploadSizes.sum', 0))}")
 
 
 def _ls(args) -> int:
@@ -189,14 +203,15 @@ def _ls(args) -> int:
     rows = []
     for c in out:
         if not c["ok"]:
-            rows.append((c["checkpoint_id"], "-", "-", "-", "-", "-", "-", "-", "-", "BAD: " + c["problem"]))
+            rows.append((c["checkpoint_id"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "BAD: " + c["problem"]))
             continue
         rows.append((c["checkpoint_id"], c["time"], f"{c['parallelism']}/{c['max_parallelism']}",
                      ", ".join(f"{n}({k})" for n, k in c["states"].items()) or "-", c["live_keys"],
                      _size(c["bytes"]), _size(c["materialized_bytes"]), _size(c["log_bytes"]),
-                     _placement(c["placement"]), "ok"))
+                     _placement(c["placement"]), _progress(c["progress"], c["batch_id"]), "ok"))
     print(_table(rows, ["id", "time (UTC)", "par/max", "states (live keys)", "keys", "bytes", "materialized",
-                        "log", "warm/restored/moved (restore ms)", "status"]))
+                        "log", "warm/restored/moved (restore ms)", "batch in>out, state rows, times, uploads",
+                        "status"]))
     return 0
 
 
