@@ -23,7 +23,7 @@ ATTEMPTS_MAX = PREFIX + "totalAttemptsPerUpload.max"
 def state_rows(backend: Any) -> int:
     """Keys held in the backend's states that are not dstl's own."""
     total = 0
-    for name in backend.state_names():
+    for name in backend.state_names:
         if not name.startswith(RESERVED_PREFIX):
             total += len(backend.get_state(name))
     return total
