@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Sequence, Tuple, Type
 
-from dstl.changelog.fs import StoreUnreachableError
+from dstl.changelog.fs import StoreUnreachableError, unreachable_reason
 from dstl.spark.memory_limit import SlotMemoryError
 
 __all__ = ["ProcessorError", "OutputSchemaError", "SlotError", "raise_from_worker", "processor_name",
-           "processor_failed", "output_lacks_columns", "one_line"]
+           "processor_failed", "output_lacks_columns", "store_failed", "one_line"]
 
 
 class ProcessorError(RuntimeError):
@@ -66,6 +66,25 @@ def output_lacks_columns(processor: Any, missing: Sequence[str], present: Sequen
     return OutputSchemaError(one_line(
         f"{who} returned output without the output schema's columns {list(missing)} (it has "
         f"{list(present)}): return every column of output_schema, or change output_schema"))
+
+
+def store_failed(base_path: str, subtask: int, attempts: int, seconds: float,
+                 exc: BaseException) -> BaseException:
+    """The error for a subtask whose state could not be written to the store at `base_path`: a
+    `StoreUnreachableError` saying so (URL, attempts, time spent) when `exc` is such a failure,
+    else `exc` itself."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 6:  # the retries wrap the store's own error
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    reason = next((r for r in (unreachable_reason(c, base_path) for c in chain) if r is not None), None)
+    if reason is None:
+        return exc
+    tries = f"{attempts} attempt(s) per upload"
+    return StoreUnreachableError(one_line(
+        f"the store at {base_path} is unreachable: subtask {subtask}'s state upload failed after {tries} "
+        f"in {seconds:.1f} s ({reason}); check the endpoint, network and credentials, then restart: the batch "
+        f"was not committed and reruns from the last checkpoint"))
 
 
 def _found(text: str, cls: Type[BaseException]) -> Optional[str]:

@@ -28,7 +28,7 @@ from dstl.config import StorageConfig
 from dstl.spark import faults, heap, slot_client
 from dstl.spark import task_figures as figures
 from dstl.spark.cache import CACHE, CacheEntry, storage_for
-from dstl.spark.errors import output_lacks_columns
+from dstl.spark.errors import output_lacks_columns, store_failed
 from dstl.spark.memory import MemoryState
 from dstl.spark.plan import CheckpointPlan
 from dstl.spark.restore import (last_snapshot_files, prune_local_copies, remember_snapshot_files,
@@ -175,7 +175,15 @@ def _run_subtask(plan: CheckpointPlan, fn: Callable, rows, subtask: int, attempt
             _TASK["subtask"] = None
         t2 = time.perf_counter()
         staged, rows_out = _write_staged(plan, subtask, token, out, arrow_schema, fn)
-        snapshot = backend.snapshot(plan.checkpoint_id).result()
+        try:
+            snapshot = backend.snapshot(plan.checkpoint_id).result()
+        except Exception as exc:
+            config = storage.config
+            attempts = config.max_attempts if config.retry_policy == "fixed" else 1
+            failed = store_failed(plan.base_path, subtask, attempts, time.perf_counter() - t2, exc)
+            if failed is exc:
+                raise
+            raise failed from exc
         t3 = time.perf_counter()
         # the batch's progress record (dstl.spark.progress): rows held, what the batch uploaded
         _TASK["metrics"][figures.ROWS_TOTAL] = figures.state_rows(backend)
