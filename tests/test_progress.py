@@ -157,11 +157,12 @@ def test_opentelemetry_exporter_records_on_the_meter():
 
 
 def _totals(rows, state):
-    sums = rows.groupby("user")["v"].sum()
-    st = state.value_state("total")
-    new = [st.get(u, 0) + int(v) for u, v in sums.items()]
-    st.update_many(list(sums.index), new)
-    return pd.DataFrame({"user": list(sums.index), "total": new})
+    """Each user's running sum of `v` (one value-state row per user)."""
+    running = state.value_state("total")
+    out = rows.groupby("user", as_index=False)["v"].sum()
+    out["total"] = [running.get(u, 0) + int(v) for u, v in zip(out["user"], out["v"])]
+    running.update_many(out["user"].tolist(), out["total"].tolist())
+    return out[["user", "total"]]
 
 
 def test_a_streams_progress_from_the_stream_its_listener_the_checkpoint_and_state_ls(spark, tmp_path, capsys):
