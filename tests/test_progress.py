@@ -189,6 +189,21 @@ def test_a_streams_progress_from_the_stream_its_listener_the_checkpoint_and_stat
     kept = latest_checkpoint(base).properties["progress"]
     assert kept["numRowsTotal"] == 3 and kept[F.UPLOAD_REQUESTS] == custom[F.UPLOAD_REQUESTS]
 
+    # a StatefulJob keeps the same records
+    from dstl.spark import StatefulJob
+    from dstl.spark.coordinator import CheckpointCoordinator, JobSpec
+
+    jbase = str(tmp_path / "job")
+    coord = CheckpointCoordinator.open(jbase, JobSpec.new("totals", 8, jbase + "/output"),
+                                       {"dstl.dfs.base-path": jbase}, resume=False)
+    job = StatefulJob(coord, _totals, "user string, total long", key="user", parallelism=2, spark=spark)
+    job_heard = []
+    job.add_listener(job_heard.append)
+    job.run_batch(pd.DataFrame({"user": ["a", "b", "c", "a"], "v": [1, 2, 3, 4]}))
+    coord.finish()
+    assert job_heard == job.recentProgress and job.lastProgress["stateOperators"][0]["numRowsTotal"] == 3
+    assert latest_checkpoint(jbase).properties["progress"]["dstlRowsIn"] == 4
+
     parser = __import__("argparse").ArgumentParser()
     state_cli.add_arguments(parser)
     assert state_cli.run(parser.parse_args(["ls", base])) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from dstl.spark import progress as P
 from dstl.spark.batch import BatchResult, is_pandas, run_batch
 from dstl.spark.coordinator import CheckpointCoordinator
 from dstl.spark.session import SubtaskStage
@@ -12,7 +13,7 @@ from dstl.spark.task import count_null_keys
 __all__ = ["StatefulJob", "BatchResult"]
 
 
-class StatefulJob:
+class StatefulJob(P.ProgressHooks):
     """A keyed stateful operator over micro-batches with exactly-once output.
 
     >>> job = StatefulJob(coordinator, fn, "user_id long, n long", key="user_id", parallelism=2)
@@ -42,6 +43,8 @@ class StatefulJob:
         self.events_schema = events_schema
         self.null_keys = null_keys
         self._stage = None
+        #: the batches' progress records and their listeners (dstl.spark.progress)
+        self.progress = P.ProgressLog()
 
     def close(self) -> None:
         """Release the cached anchor that keeps the subtasks on their executors."""
@@ -62,5 +65,8 @@ class StatefulJob:
         run = run_batch(self.coordinator, df, count_null_keys(self.fn, self.key), self.schema, key=self.key,
                         parallelism=self.parallelism, stage_for=self._stage_for, spark=self.spark,
                         null_keys=self.null_keys, order_by=self.order_by, events_schema=self.events_schema,
-                        properties=lambda reports: properties, after_metadata=after_metadata)
-        return BatchResult(**run.result_fields())
+                        properties=lambda reports: {**(properties or {}), "progress": P.checkpoint_figures(reports)},
+                        after_metadata=after_metadata)
+        res = BatchResult(**run.result_fields())
+        self.progress.publish(P.batch_progress(res, self.parallelism))
+        return res

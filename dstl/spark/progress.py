@@ -36,7 +36,7 @@ RECENT = 100
 
 Listener = Callable[[Dict[str, Any]], None]
 
-__all__ = ["OPERATOR_NAME", "ProgressLog", "checkpoint_figures", "state_operator", "batch_progress",
+__all__ = ["OPERATOR_NAME", "ProgressLog", "ProgressHooks", "checkpoint_figures", "state_operator", "batch_progress",
            "progress_of"]
 
 
@@ -192,6 +192,30 @@ class ProgressLog:
                 if record["batchId"] == batch_id and not record.get("replayed"):
                     return record
         return None
+
+
+class ProgressHooks:
+    """What a front door with a `progress` log offers: Spark's names for its records, and listeners."""
+
+    progress: ProgressLog
+
+    @property
+    def lastProgress(self) -> Optional[Dict[str, Any]]:  # noqa: N802 - Spark's name
+        """The latest batch's progress record, shaped like Spark's (None before the first batch)."""
+        return self.progress.last
+
+    @property
+    def recentProgress(self) -> List[Dict[str, Any]]:  # noqa: N802 - Spark's name
+        """The latest batches' progress records, oldest first (at most 100)."""
+        return self.progress.recent
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call `fn(record)` after every committed batch, in the process that ran it."""
+        self.progress.add_listener(fn)
+
+    def remove_listener(self, fn: Listener) -> None:
+        """Stop calling `fn`."""
+        self.progress.remove_listener(fn)
 
 
 def _from_checkpoints(stream: Any, batch_id: int) -> Optional[Dict[str, Any]]:

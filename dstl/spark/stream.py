@@ -119,7 +119,7 @@ def _check_int(name: str, v: Any, lo: int, hi: Optional[int] = None) -> int:
     return v
 
 
-class StatefulStream:
+class StatefulStream(P.ProgressHooks):
     """A keyed stateful operator for `foreachBatch` and batch DataFrames (see the module docstring).
 
     `processor`: a `StatefulProcessor` (instance, any object with its methods) or a vectorised
@@ -233,24 +233,6 @@ class StatefulStream:
         self.results: Deque[StreamBatchResult] = collections.deque(maxlen=100)
         #: the batches' progress records and their listeners (dstl.spark.progress)
         self.progress = P.ProgressLog()
-
-    # ---------------------------------------------------------------- progress (dstl.spark.progress)
-    @property
-    def lastProgress(self) -> Optional[Dict[str, Any]]:  # noqa: N802 - Spark's name
-        """The latest batch's progress record, shaped like Spark's (None before the first batch)."""
-        return self.progress.last
-
-    @property
-    def recentProgress(self) -> List[Dict[str, Any]]:  # noqa: N802 - Spark's name
-        """The latest batches' progress records, oldest first (at most 100)."""
-        return self.progress.recent
-
-    def add_listener(self, fn: Callable[[Dict[str, Any]], None]) -> None:
-        """Call `fn(record)` after every committed batch, in the process that ran it."""
-        self.progress.add_listener(fn)
-
-    def remove_listener(self, fn: Callable[[Dict[str, Any]], None]) -> None:
-        self.progress.remove_listener(fn)
 
     # ---------------------------------------------------------------- open or create
     def open(self):
