@@ -14,7 +14,7 @@ from dstl.changelog.fs import StoreUnreachableError, unreachable_reason
 from dstl.spark.memory_limit import SlotMemoryError
 
 __all__ = ["ProcessorError", "OutputSchemaError", "SlotError", "raise_from_worker", "processor_name",
-           "processor_failed", "output_lacks_columns", "store_failed", "one_line"]
+           "processor_failed", "call_fn", "output_lacks_columns", "store_failed", "one_line"]
 
 
 class ProcessorError(RuntimeError):
@@ -58,6 +58,17 @@ def processor_failed(processor: Any, key: Any, exc: BaseException, where: str = 
     return ProcessorError(one_line(f"processor {processor_name(processor)} failed{at}{in_}: "
                                    f"{type(exc).__name__}: {exc} (fix the processor or the input; the batch "
                                    f"was not committed and reruns from the last checkpoint)"))
+
+
+def call_fn(fn: Any, rows: Any, state: Any) -> Any:
+    """A vectorised `fn(rows, state)` on a subtask's rows (None without rows); what it raises comes
+    back as a `ProcessorError` naming it."""
+    if not len(rows):
+        return None
+    try:
+        return fn(rows, state)
+    except Exception as exc:
+        raise processor_failed(fn, None, exc) from exc
 
 
 def output_lacks_columns(processor: Any, missing: Sequence[str], present: Sequence[str]) -> OutputSchemaError:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import numpy as np
 
 from dstl.spark import task as K
-from dstl.spark.errors import ProcessorError, processor_failed
+from dstl.spark.errors import ProcessorError, call_fn, processor_failed
 from dstl.spark.keys import unpack_key as key_of
 from dstl.spark.processor_context import BatchContext, is_stateful_processor
 from dstl.spark.processor_handle import ProcessorHandle
@@ -313,13 +313,7 @@ def make_task_fn(processor: Any, key_col: str, ctx: BatchContext,
 
         def vectorised_fn(rows, backend):
             backend.ttl_clock = lambda: ts  # TTL states of fn expire against the batch timestamp
-            rows = prepare(rows)
-            if not len(rows):
-                return None
-            try:
-                return fn(rows, backend)
-            except Exception as exc:
-                raise processor_failed(fn, None, exc) from exc
+            return call_fn(fn, prepare(rows), backend)
 
         vectorised_fn.processor = fn  # type: ignore[attr-defined]  # named in errors
         return vectorised_fn

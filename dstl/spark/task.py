@@ -28,7 +28,7 @@ from dstl.config import StorageConfig
 from dstl.spark import faults, heap, slot_client
 from dstl.spark import task_figures as figures
 from dstl.spark.cache import CACHE, CacheEntry, storage_for
-from dstl.spark.errors import output_lacks_columns, processor_failed, store_failed
+from dstl.spark.errors import call_fn, output_lacks_columns, store_failed
 from dstl.spark.memory import MemoryState
 from dstl.spark.plan import CheckpointPlan
 from dstl.spark.restore import (last_snapshot_files, prune_local_copies, remember_snapshot_files,
@@ -85,12 +85,7 @@ def count_null_keys(fn: Callable, key: str) -> Callable:
         rows, nulls = _split_null_keys(rows, key)
         if nulls:
             task_metrics()["null_rows"] = nulls
-        if not len(rows):
-            return None
-        try:
-            return fn(rows, state)
-        except Exception as exc:
-            raise processor_failed(fn, None, exc) from exc
+        return call_fn(fn, rows, state)
 
     counted.processor = fn  # type: ignore[attr-defined]  # named in errors
     return counted
