@@ -105,7 +105,12 @@ def main(work: str) -> int:
 
         placement = [read_checkpoint(os.path.join(work, "fb"), c).properties.get("placement")
                      for c in list_checkpoints(os.path.join(work, "fb"))]
-        return {"progress_batches": len(query.recentProgress), "placement": placement}
+        # the batches ran in the server: dstl's entry in Spark's progress comes from the checkpoints
+        from dstl.spark import progress_of
+
+        merged = progress_of(query, stream)
+        return {"progress_batches": len(query.recentProgress), "placement": placement,
+                "merged_batch": merged["batchId"], "merged_operators": merged["stateOperators"]}
 
     def run_pandas_api_and_rescale():
         base = os.path.join(work, "run")

@@ -103,6 +103,10 @@ def test_foreach_batch_with_the_row_api_under_connect(connect_run):
     placement = got["placement"]
     assert len(placement) == 3
     assert all(p and p["subtasks"] == 2 and p["warm"] + p["restored"] == 2 for p in placement[1:])
+    # Spark's lastProgress with dstl's entry for its batch, read back from the checkpoint on the client
+    (op,) = got["merged_operators"]
+    assert op["operatorName"] == "dstlStatefulStream" and op["numShufflePartitions"] == 2
+    assert op["customMetrics"]["dstlRowsIn"] == len(BATCHES[got["merged_batch"]]) and op["numRowsTotal"] > 0
 
 
 def test_run_and_rescale_under_connect(connect_run):
