@@ -95,6 +95,7 @@ def test_a_processor_failing_for_a_key_names_itself_and_the_key(storage):  # noq
     assert "processor test_batch_errors._FailsForB failed for key ('b',)" in first
     assert "ValueError: b is not allowed" in first
     assert isinstance(info.value.__cause__, ValueError)
+    assert isinstance(info.value, ValueError)  # in the worker, a caller catching the processor's type still does
     backend.close()
 
 

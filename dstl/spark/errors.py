@@ -8,7 +8,7 @@ raises it again on the driver, Spark's exception attached as `__cause__`.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Optional, Sequence, Tuple, Type
 
 from dstl.changelog.fs import StoreUnreachableError, unreachable_reason
 from dstl.spark.memory_limit import SlotMemoryError
@@ -55,9 +55,27 @@ def processor_failed(processor: Any, key: Any, exc: BaseException, where: str = 
     """The error for `exc` raised by `processor` for `key` (None: not for one key)."""
     at = f" for key {key!r}" if key is not None else ""
     in_ = f" in {where}" if where else ""
-    return ProcessorError(one_line(f"processor {processor_name(processor)} failed{at}{in_}: "
+    return _kind_of(exc)(one_line(f"processor {processor_name(processor)} failed{at}{in_}: "
                                    f"{type(exc).__name__}: {exc} (fix the processor or the input; the batch "
                                    f"was not committed and reruns from the last checkpoint)"))
+
+
+_KINDS: Dict[type, type] = {}
+
+
+def _kind_of(exc: BaseException) -> type:
+    """ProcessorError, and in the worker also the built-in type of `exc` (a caller catching the
+    processor's TypeError still does); the driver sees a plain ProcessorError."""
+    base = type(exc)
+    if base.__module__ != "builtins" or not issubclass(base, Exception) or base is KeyError:
+        return ProcessorError
+    kind = _KINDS.get(base)
+    if kind is None:
+        kind = _KINDS[base] = type("ProcessorError", (ProcessorError, base),
+                                   {"__module__": __name__, "__qualname__": "ProcessorError",
+                                    # pickled (a slot's reply) as the plain class, which has a name
+                                    "__reduce__": lambda self: (ProcessorError, self.args)})
+    return kind
 
 
 def call_fn(fn: Any, rows: Any, state: Any) -> Any:
