@@ -140,6 +140,8 @@ class CheckpointCoordinator:
         self.recovered_output = False
         self.rolled_back = None  # RollbackResult when opened with resume_from
         self.lease = None  # WriterLease: this run's claim on the base path (dstl.state.fencing)
+        #: checkpoint id -> the metadata this run wrote: garbage collection reads none of them back
+        self._written: Dict[int, Any] = {}
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
@@ -292,9 +294,11 @@ class CheckpointCoordinator:
         meta = CheckpointMetadata(plan.checkpoint_id, plan.max_parallelism, plan.parallelism, subtasks, props,
                                   job_id=self.spec.job_id)
         t0 = time.perf_counter()
-        self._check_lease(ordered)
+        self._check_lease(ordered)  # the fence: nothing of this batch is visible before it
         try:
-            write_checkpoint(self.base_path, meta)
+            # the lease just checked is ours and `latest` is what we wrote: the newest checkpoint's job
+            # id needs no reading back
+            write_checkpoint(self.base_path, meta, check_job=self.latest is None or self.lease is None)
         except FileExistsError as exc:  # another run completed this checkpoint first
             self._drop_staged(ordered)
             from dstl.state.fencing import BasePathInUseError
@@ -303,10 +307,12 @@ class CheckpointCoordinator:
             raise BasePathInUseError(self.base_path, holder) from exc
         t1 = time.perf_counter()
         self.latest = meta
+        self._written[meta.checkpoint_id] = meta
         if after_metadata is not None:
             after_metadata()  # checkpoint durable, output not yet committed (a fault point's place)
-        self._check_lease(())  # taken over meanwhile: the new run commits this checkpoint's output
-        self.commit_output(meta)
+        # no second lease check: the checkpoint is durable, and a run that took over meanwhile
+        # commits this same checkpoint's output (the same bytes, idempotently)
+        self.commit_output(meta, fresh=True)
         t2 = time.perf_counter()
         new_files, new_bytes, deleted = self.collect_garbage()
         t3 = time.perf_counter()
@@ -380,7 +386,7 @@ class CheckpointCoordinator:
         """The committed output folder of `batch` (None without an output path)."""
         return _join(self.spec.output_path, self.batch_dir_name(batch)) if self.spec.output_path else None
 
-    def commit_output(self, meta) -> bool:
+    def commit_output(self, meta, fresh: bool = False) -> bool:
         """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work.
 
         On an object store a move is a copy and a delete, and each existence check a request; the
@@ -388,7 +394,11 @@ class CheckpointCoordinator:
         each staged file still there (server side), writes ``_SUCCESS`` and deletes the folder in one
         bulk request: on S3 2P + 6 requests for P files, where a move per file took 6P + 3. A commit
         cut short copies again what it had copied (the same bytes); a file missing from staging must
-        be in place already."""
+        be in place already.
+
+        `fresh`: `meta` was created by this run a moment ago (its id was new), so no commit of it
+        can have begun: on an object store the marker is not looked for and the staged files are
+        the ones the tasks reported, copied and deleted without listing (2P + 2 requests)."""
         from dstl.changelog.fs import is_local
 
         if not self.spec.output_path:
@@ -400,17 +410,22 @@ class CheckpointCoordinator:
         fs, root = _fs(self.spec.output_path)
         batch_dir = _join(root, self.batch_dir_name(batch))
         marker = _join(batch_dir, "_SUCCESS")
-        if fs.exists(marker):
-            return False
-        fs.makedirs(batch_dir, exist_ok=True)
-        staging = _join(root, "_staging", f"batch-{batch:06d}")
-        present = self._staged_files(fs, staging)
         local = is_local(fs)
+        known = fresh and not local
+        if not known and fs.exists(marker):
+            return False
+        if local:  # object stores have no folders to make (s3fs would HEAD the bucket)
+            fs.makedirs(batch_dir, exist_ok=True)
+        staging = _join(root, "_staging", f"batch-{batch:06d}")
+        if known:
+            present = {_fs(resolve(self.base_path, staged))[1] for staged, _ in out.get("files", [])}
+        else:
+            present = self._staged_files(fs, staging)
         for staged, final in out.get("files", []):
             staged, final = resolve(self.base_path, staged), resolve(self.base_path, final)
             _, staged_p = _fs(staged)
             _, final_p = _fs(final)
-            here = staged_p in present if staged_p.startswith(staging + "/") else fs.exists(staged_p)
+            here = staged_p in present if known or staged_p.startswith(staging + "/") else fs.exists(staged_p)
             if here:
                 if local:
                     fs.mv(staged_p, final_p)  # a rename
@@ -421,7 +436,12 @@ class CheckpointCoordinator:
                 raise RuntimeError(f"output of batch {batch} is lost: neither {staged} nor {final} exists")
         with fs.open(marker, "wb") as f:
             f.write(f"checkpoint {meta.checkpoint_id}\n".encode())
-        if present:
+        if known and present:
+            try:
+                fs.rm(sorted(present))  # one bulk delete of known names
+            except FileNotFoundError:
+                pass
+        elif present:
             try:
                 fs.rm(staging, recursive=True)
             except FileNotFoundError:
@@ -487,12 +507,18 @@ class CheckpointCoordinator:
         from dstl.state.metadata import list_checkpoints, remove_checkpoint
 
         self._check_lease(())  # deletes nothing on a base path another run has taken over
-        for cid in list_checkpoints(self.base_path)[:-self.retain]:
+        ids = list_checkpoints(self.base_path)
+        for cid in ids[:-self.retain]:
             remove_checkpoint(self.base_path, cid)
             faults.point("coordinator.mid_gc_checkpoints", self.next_batch - 1)
+        retained = ids[-self.retain:]
+        self._written = {c: m for c, m in self._written.items() if c in retained}
         files = self.changelog_files()
         new = {n: s for n, s in files.items() if n not in self._known_files}
-        keep = self.referenced_files()
+        if retained and all(c in self._written for c in retained):
+            keep = {posixpath.basename(f.rstrip("/")) for c in retained for f in self._written[c].files()}
+        else:  # a retained checkpoint this run did not write: read what it references
+            keep = self.referenced_files()
         garbage = set(files) - keep
         doomed = garbage if final else garbage & self._suspects
         cfs, croot = _fs(self.changelog_dir())
