@@ -142,6 +142,8 @@ class CheckpointCoordinator:
         self.lease = None  # WriterLease: this run's claim on the base path (dstl.state.fencing)
         #: checkpoint id -> the metadata this run wrote: garbage collection reads none of them back
         self._written: Dict[int, Any] = {}
+        #: ids of the checkpoints at the base path, listed once and then kept by this run
+        self._ids: Optional[List[int]] = None
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
@@ -308,13 +310,16 @@ class CheckpointCoordinator:
         t1 = time.perf_counter()
         self.latest = meta
         self._written[meta.checkpoint_id] = meta
+        if self._ids is not None:
+            self._ids.append(meta.checkpoint_id)
         if after_metadata is not None:
             after_metadata()  # checkpoint durable, output not yet committed (a fault point's place)
         # no second lease check: the checkpoint is durable, and a run that took over meanwhile
         # commits this same checkpoint's output (the same bytes, idempotently)
-        self.commit_output(meta, fresh=True)
+        deletes: List[Tuple[Any, str]] = []
+        self.commit_output(meta, fresh=True, deletes=deletes)
         t2 = time.perf_counter()
-        new_files, new_bytes, deleted = self.collect_garbage()
+        new_files, new_bytes, deleted = self.collect_garbage(deletes=deletes)
         t3 = time.perf_counter()
         log_batch(plan.batch, plan.checkpoint_id, placement)
         return CheckpointStats(plan.checkpoint_id, plan.batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
@@ -386,7 +391,7 @@ class CheckpointCoordinator:
         """The committed output folder of `batch` (None without an output path)."""
         return _join(self.spec.output_path, self.batch_dir_name(batch)) if self.spec.output_path else None
 
-    def commit_output(self, meta, fresh: bool = False) -> bool:
+    def commit_output(self, meta, fresh: bool = False, deletes: Optional[List[Tuple[Any, str]]] = None) -> bool:
         """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work.
 
         On an object store a move is a copy and a delete, and each existence check a request; the
@@ -398,8 +403,9 @@ class CheckpointCoordinator:
 
         `fresh`: `meta` was created by this run a moment ago (its id was new), so no commit of it
         can have begun: on an object store the marker is not looked for and the staged files are
-        the ones the tasks reported, copied and deleted without listing (2P + 2 requests)."""
-        from dstl.changelog.fs import is_local
+        the ones the tasks reported, copied and deleted without listing (2P + 2 requests). With
+        `deletes`, those deletions are appended to it (file system, path) for one bulk delete later."""
+        from dstl.changelog.fs import is_local, make_parent_dirs
 
         if not self.spec.output_path:
             return False
@@ -414,8 +420,7 @@ class CheckpointCoordinator:
         known = fresh and not local
         if not known and fs.exists(marker):
             return False
-        if local:  # object stores have no folders to make (s3fs would HEAD the bucket)
-            fs.makedirs(batch_dir, exist_ok=True)
+        make_parent_dirs(fs, batch_dir)
         staging = _join(root, "_staging", f"batch-{batch:06d}")
         if known:
             present = {_fs(resolve(self.base_path, staged))[1] for staged, _ in out.get("files", [])}
@@ -437,10 +442,10 @@ class CheckpointCoordinator:
         with fs.open(marker, "wb") as f:
             f.write(f"checkpoint {meta.checkpoint_id}\n".encode())
         if known and present:
-            try:
-                fs.rm(sorted(present))  # one bulk delete of known names
-            except FileNotFoundError:
-                pass
+            if deletes is not None:
+                deletes.extend((fs, p) for p in sorted(present))
+            else:
+                _bulk_delete([(fs, p) for p in sorted(present)])
         elif present:
             try:
                 fs.rm(staging, recursive=True)
@@ -502,16 +507,34 @@ class CheckpointCoordinator:
 
         return {posixpath.basename(k.rstrip("/")) for k in files_referenced(self.base_path, latest=self.retain)}
 
-    def collect_garbage(self, final: bool = False) -> Tuple[int, int, int]:
-        """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted)."""
-        from dstl.state.metadata import list_checkpoints, remove_checkpoint
+    def collect_garbage(self, final: bool = False,
+                        deletes: Optional[List[Tuple[Any, str]]] = None) -> Tuple[int, int, int]:
+        """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted).
 
-        self._check_lease(())  # deletes nothing on a base path another run has taken over
-        ids = list_checkpoints(self.base_path)
-        for cid in ids[:-self.retain]:
-            remove_checkpoint(self.base_path, cid)
+        A batch's pass (`deletes`: the batch's staged files, deleted in the same bulk request as the
+        old checkpoints' metadata) follows the lease check that batch made before its checkpoint: a
+        run that took over since then continues from a checkpoint this pass retains, and its new
+        files are unknown here, so not deleted. `final` checks the lease again and lists afresh."""
+        from dstl.changelog.fs import is_local
+        from dstl.state.metadata import checkpoint_path, list_checkpoints, remove_checkpoint
+
+        if final or deletes is None:
+            self._check_lease(())  # deletes nothing on a base path another run has taken over
+            self._ids = None
+        if self._ids is None:
+            self._ids = list_checkpoints(self.base_path)
+        ids, retained = self._ids[:-self.retain], self._ids[-self.retain:]
+        bfs, _ = _fs(self.base_path)
+        batched = deletes is not None and not is_local(bfs)
+        todo = list(deletes or ())
+        if batched:  # on an object store a checkpoint is its `_metadata` object alone
+            todo += [(bfs, _fs(checkpoint_path(self.base_path, cid))[1]) for cid in ids]
+        _bulk_delete(todo)
+        for cid in ids:
+            if not batched:
+                remove_checkpoint(self.base_path, cid)
             faults.point("coordinator.mid_gc_checkpoints", self.next_batch - 1)
-        retained = ids[-self.retain:]
+        self._ids = retained
         self._written = {c: m for c, m in self._written.items() if c in retained}
         files = self.changelog_files()
         new = {n: s for n, s in files.items() if n not in self._known_files}
@@ -523,7 +546,11 @@ class CheckpointCoordinator:
         doomed = garbage if final else garbage & self._suspects
         cfs, croot = _fs(self.changelog_dir())
         deleted = 0
-        for name in sorted(doomed):
+        if doomed and not is_local(cfs):
+            # after the checkpoints' metadata: a crash never leaves a checkpoint without its files
+            deleted = _bulk_delete([(cfs, _join(croot, n)) for n in sorted(doomed)])
+            faults.point("coordinator.mid_gc_files", self.next_batch - 1)
+        for name in sorted(doomed) if is_local(cfs) else ():
             try:
                 cfs.rm(_join(croot, name))
                 deleted += 1
@@ -550,6 +577,20 @@ class CheckpointCoordinator:
         if not self.durable:
             return 0
         return self.collect_garbage(final=True)[2]
+
+
+def _bulk_delete(items: Sequence[Tuple[Any, str]]) -> int:
+    """Delete (file system, path) pairs, one bulk request per file system where it has them (S3
+    deletes up to 1,000 keys in one); returns how many were asked for."""
+    groups: Dict[Tuple[int, str], Tuple[Any, List[str]]] = {}
+    for fs, path in items:  # s3fs deletes the keys of one bucket per request
+        groups.setdefault((id(fs), path.lstrip("/").split("/", 1)[0]), (fs, []))[1].append(path)
+    for fs, paths in groups.values():
+        try:
+            fs.rm(paths)
+        except FileNotFoundError:
+            pass
+    return len(items)
 
 
 def _write_job_file(fs, job_file: str, base: str, spec: JobSpec, exclusive: bool = False) -> None:

@@ -46,11 +46,10 @@ def sink_done(base_path: str, batch: int, storage_options: Optional[Dict[str, An
 
 
 def mark_sink_done(base_path: str, batch: int, checkpoint_id: int) -> None:
-    from dstl.changelog.fs import is_local
+    from dstl.changelog.fs import make_parent_dirs
 
     fs, path = _fs(_marker(base_path, batch))
-    if is_local(fs):  # object stores have no folders to make (s3fs would HEAD the bucket)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    make_parent_dirs(fs, path.rsplit("/", 1)[0])
     with fs.open(path, "wb") as f:
         f.write(f"checkpoint {checkpoint_id}\n".encode())
 
