@@ -77,7 +77,6 @@ def proxies(s3_server, tmp_path):
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="over budget: the driver makes 35 requests a batch, the tasks 7 (issue 42, item 3)")
 def test_a_steady_state_batch_stays_within_its_request_budget(proxies, tmp_path):
     from cluster_util import read_progress, run_stream_driver
     from streaming_util import make_batches, write_json_batch

@@ -38,8 +38,10 @@ def sink_done(base_path: str, batch: int, storage_options: Optional[Dict[str, An
     register_storage_options(base_path, storage_options)
     fs, path = _fs(_marker(base_path, batch))
     fs.invalidate_cache(path.rsplit("/", 1)[0])
-    try:  # one GET; `exists` on an object store is a HEAD and, for a missing marker, a LIST
-        fs.cat_file(path)
+    # one ranged GET (a marker is never empty): `exists`, or a whole-file read, asks an object
+    # store for the size first, a HEAD and, for a missing marker, a LIST
+    try:
+        fs.cat_file(path, start=0, end=1)
     except FileNotFoundError:
         return False
     return True
