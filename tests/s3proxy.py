@@ -38,7 +38,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional, Tuple
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te", "trailer"}
 _BODIES = {503: ("SlowDown", "Please reduce your request rate."),
@@ -280,6 +280,27 @@ class ProxyProcess:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def request_kind(method: str, path: str) -> str:
+    """A short name for a request: its S3 operation and the part of the key that says what it is."""
+    path, _, query = unquote(path).partition("?")
+    parts = path.strip("/").split("/")
+    key = "/".join(parts[1:])
+    if method == "GET" and ("list-type" in query or "prefix=" in query or not key):
+        prefix = next((q.split("=", 1)[1] for q in query.split("&") if q.startswith("prefix=")), "")
+        return f"LIST {shape_key(prefix)}"
+    if method == "HEAD" and not key:
+        return "HEAD bucket"
+    return f"{method} {shape_key(key)}"
+
+
+def shape_key(key: str) -> str:
+    """The key with the run's own names and numbers blurred, so equal steps of batches compare."""
+    out = []
+    for part in key.split("/")[1:]:  # the first part is the test's base directory
+        out.append("".join("N" if c.isdigit() else c for c in part) if any(c.isdigit() for c in part) else part)
+    return "/".join(out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from dstl.errors import DstlError
 _LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # protocols whose stores create a file only if it does not exist, atomically (S3: If-None-Match: *)
 _ATOMIC_CREATE_PROTOCOLS = frozenset({"s3", "s3a"})
+#: stores whose "folders" are key prefixes: nothing to make before a write
+_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
 
 #: how a process hands its fsspec options to the upload service it starts (environment, not a file)
 OPTIONS_ENV = "DSTL_FS_OPTIONS"
@@ -59,6 +61,14 @@ def has_atomic_create(fs) -> bool:
         return True
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in _ATOMIC_CREATE_PROTOCOLS for p in protocols)
+
+
+def make_parent_dirs(fs, directory: str) -> None:
+    """Make `directory` where the store has folders; on object stores a write needs none, and
+    `makedirs` would cost a request (s3fs checks the bucket)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if not any(p in _FLAT_PROTOCOLS for p in protocols):
+        fs.makedirs(directory, exist_ok=True)
 
 
 def create_file(fs, path: str, data: bytes) -> bool:
@@ -312,7 +322,7 @@ def probe_base_path(base_path: str) -> None:
 
 __all__ = ["filesystem", "is_local", "root_of", "url_of", "key", "key_of_url", "join", "changelog_dir",
            "validate_base_path", "register_options", "options_for", "register_storage_options",
-           "fs_options_from_flags", "has_atomic_create", "create_file", "replace_file",
+           "fs_options_from_flags", "has_atomic_create", "make_parent_dirs", "create_file", "replace_file",
            "probe_base_path", "StoreUnreachableError", "unreachable_reason"]
 
 _load_options_env()  # the upload service and its uploaders: options from the client that started it

@@ -140,6 +140,10 @@ class CheckpointCoordinator:
         self.recovered_output = False
         self.rolled_back = None  # RollbackResult when opened with resume_from
         self.lease = None  # WriterLease: this run's claim on the base path (dstl.state.fencing)
+        #: checkpoint id -> the metadata this run wrote: garbage collection reads none of them back
+        self._written: Dict[int, Any] = {}
+        #: ids of the checkpoints at the base path, listed once and then kept by this run
+        self._ids: Optional[List[int]] = None
 
     # ---------------------------------------------------------------- opening a job
     @classmethod
@@ -292,9 +296,11 @@ class CheckpointCoordinator:
         meta = CheckpointMetadata(plan.checkpoint_id, plan.max_parallelism, plan.parallelism, subtasks, props,
                                   job_id=self.spec.job_id)
         t0 = time.perf_counter()
-        self._check_lease(ordered)
+        self._check_lease(ordered)  # the fence: nothing of this batch is visible before it
         try:
-            write_checkpoint(self.base_path, meta)
+            # the lease just checked is ours and `latest` is what we wrote: the newest checkpoint's job
+            # id needs no reading back
+            write_checkpoint(self.base_path, meta, check_job=self.latest is None or self.lease is None)
         except FileExistsError as exc:  # another run completed this checkpoint first
             self._drop_staged(ordered)
             from dstl.state.fencing import BasePathInUseError
@@ -303,12 +309,17 @@ class CheckpointCoordinator:
             raise BasePathInUseError(self.base_path, holder) from exc
         t1 = time.perf_counter()
         self.latest = meta
+        self._written[meta.checkpoint_id] = meta
+        if self._ids is not None:
+            self._ids.append(meta.checkpoint_id)
         if after_metadata is not None:
             after_metadata()  # checkpoint durable, output not yet committed (a fault point's place)
-        self._check_lease(())  # taken over meanwhile: the new run commits this checkpoint's output
-        self.commit_output(meta)
+        # no second lease check: the checkpoint is durable, and a run that took over meanwhile
+        # commits this same checkpoint's output (the same bytes, idempotently)
+        deletes: List[Tuple[Any, str]] = []
+        self.commit_output(meta, fresh=True, deletes=deletes)
         t2 = time.perf_counter()
-        new_files, new_bytes, deleted = self.collect_garbage()
+        new_files, new_bytes, deleted = self.collect_garbage(deletes=deletes)
         t3 = time.perf_counter()
         log_batch(plan.batch, plan.checkpoint_id, placement)
         return CheckpointStats(plan.checkpoint_id, plan.batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
@@ -380,7 +391,7 @@ class CheckpointCoordinator:
         """The committed output folder of `batch` (None without an output path)."""
         return _join(self.spec.output_path, self.batch_dir_name(batch)) if self.spec.output_path else None
 
-    def commit_output(self, meta) -> bool:
+    def commit_output(self, meta, fresh: bool = False, deletes: Optional[List[Tuple[Any, str]]] = None) -> bool:
         """Move the staged files of `meta`'s batch into place; idempotent. True if it did any work.
 
         On an object store a move is a copy and a delete, and each existence check a request; the
@@ -388,8 +399,13 @@ class CheckpointCoordinator:
         each staged file still there (server side), writes ``_SUCCESS`` and deletes the folder in one
         bulk request: on S3 2P + 6 requests for P files, where a move per file took 6P + 3. A commit
         cut short copies again what it had copied (the same bytes); a file missing from staging must
-        be in place already."""
-        from dstl.changelog.fs import is_local
+        be in place already.
+
+        `fresh`: `meta` was created by this run a moment ago (its id was new), so no commit of it
+        can have begun: on an object store the marker is not looked for and the staged files are
+        the ones the tasks reported, copied and deleted without listing (2P + 2 requests). With
+        `deletes`, those deletions are appended to it (file system, path) for one bulk delete later."""
+        from dstl.changelog.fs import is_local, make_parent_dirs
 
         if not self.spec.output_path:
             return False
@@ -400,17 +416,21 @@ class CheckpointCoordinator:
         fs, root = _fs(self.spec.output_path)
         batch_dir = _join(root, self.batch_dir_name(batch))
         marker = _join(batch_dir, "_SUCCESS")
-        if fs.exists(marker):
-            return False
-        fs.makedirs(batch_dir, exist_ok=True)
-        staging = _join(root, "_staging", f"batch-{batch:06d}")
-        present = self._staged_files(fs, staging)
         local = is_local(fs)
+        known = fresh and not local
+        if not known and fs.exists(marker):
+            return False
+        make_parent_dirs(fs, batch_dir)
+        staging = _join(root, "_staging", f"batch-{batch:06d}")
+        if known:
+            present = {_fs(resolve(self.base_path, staged))[1] for staged, _ in out.get("files", [])}
+        else:
+            present = self._staged_files(fs, staging)
         for staged, final in out.get("files", []):
             staged, final = resolve(self.base_path, staged), resolve(self.base_path, final)
             _, staged_p = _fs(staged)
             _, final_p = _fs(final)
-            here = staged_p in present if staged_p.startswith(staging + "/") else fs.exists(staged_p)
+            here = staged_p in present if known or staged_p.startswith(staging + "/") else fs.exists(staged_p)
             if here:
                 if local:
                     fs.mv(staged_p, final_p)  # a rename
@@ -421,7 +441,12 @@ class CheckpointCoordinator:
                 raise RuntimeError(f"output of batch {batch} is lost: neither {staged} nor {final} exists")
         with fs.open(marker, "wb") as f:
             f.write(f"checkpoint {meta.checkpoint_id}\n".encode())
-        if present:
+        if known and present:
+            if deletes is not None:
+                deletes.extend((fs, p) for p in sorted(present))
+            else:
+                _bulk_delete([(fs, p) for p in sorted(present)])
+        elif present:
             try:
                 fs.rm(staging, recursive=True)
             except FileNotFoundError:
@@ -482,22 +507,50 @@ class CheckpointCoordinator:
 
         return {posixpath.basename(k.rstrip("/")) for k in files_referenced(self.base_path, latest=self.retain)}
 
-    def collect_garbage(self, final: bool = False) -> Tuple[int, int, int]:
-        """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted)."""
-        from dstl.state.metadata import list_checkpoints, remove_checkpoint
+    def collect_garbage(self, final: bool = False,
+                        deletes: Optional[List[Tuple[Any, str]]] = None) -> Tuple[int, int, int]:
+        """Drop old checkpoints and unreferenced changelog files; returns (new files, new bytes, deleted).
 
-        self._check_lease(())  # deletes nothing on a base path another run has taken over
-        for cid in list_checkpoints(self.base_path)[:-self.retain]:
-            remove_checkpoint(self.base_path, cid)
+        A batch's pass (`deletes`: the batch's staged files, deleted in the same bulk request as the
+        old checkpoints' metadata) follows the lease check that batch made before its checkpoint: a
+        run that took over since then continues from a checkpoint this pass retains, and its new
+        files are unknown here, so not deleted. `final` checks the lease again and lists afresh."""
+        from dstl.changelog.fs import is_local
+        from dstl.state.metadata import checkpoint_path, list_checkpoints, remove_checkpoint
+
+        if final or deletes is None:
+            self._check_lease(())  # deletes nothing on a base path another run has taken over
+            self._ids = None
+        if self._ids is None:
+            self._ids = list_checkpoints(self.base_path)
+        ids, retained = self._ids[:-self.retain], self._ids[-self.retain:]
+        bfs, _ = _fs(self.base_path)
+        batched = deletes is not None and not is_local(bfs)
+        todo = list(deletes or ())
+        if batched:  # on an object store a checkpoint is its `_metadata` object alone
+            todo += [(bfs, _fs(checkpoint_path(self.base_path, cid))[1]) for cid in ids]
+        _bulk_delete(todo)
+        for cid in ids:
+            if not batched:
+                remove_checkpoint(self.base_path, cid)
             faults.point("coordinator.mid_gc_checkpoints", self.next_batch - 1)
+        self._ids = retained
+        self._written = {c: m for c, m in self._written.items() if c in retained}
         files = self.changelog_files()
         new = {n: s for n, s in files.items() if n not in self._known_files}
-        keep = self.referenced_files()
+        if retained and all(c in self._written for c in retained):
+            keep = {posixpath.basename(f.rstrip("/")) for c in retained for f in self._written[c].files()}
+        else:  # a retained checkpoint this run did not write: read what it references
+            keep = self.referenced_files()
         garbage = set(files) - keep
         doomed = garbage if final else garbage & self._suspects
         cfs, croot = _fs(self.changelog_dir())
         deleted = 0
-        for name in sorted(doomed):
+        if doomed and not is_local(cfs):
+            # after the checkpoints' metadata: a crash never leaves a checkpoint without its files
+            deleted = _bulk_delete([(cfs, _join(croot, n)) for n in sorted(doomed)])
+            faults.point("coordinator.mid_gc_files", self.next_batch - 1)
+        for name in sorted(doomed) if is_local(cfs) else ():
             try:
                 cfs.rm(_join(croot, name))
                 deleted += 1
@@ -524,6 +577,20 @@ class CheckpointCoordinator:
         if not self.durable:
             return 0
         return self.collect_garbage(final=True)[2]
+
+
+def _bulk_delete(items: Sequence[Tuple[Any, str]]) -> int:
+    """Delete (file system, path) pairs, one bulk request per file system where it has them (S3
+    deletes up to 1,000 keys in one); returns how many were asked for."""
+    groups: Dict[Tuple[int, str], Tuple[Any, List[str]]] = {}
+    for fs, path in items:  # s3fs deletes the keys of one bucket per request
+        groups.setdefault((id(fs), path.lstrip("/").split("/", 1)[0]), (fs, []))[1].append(path)
+    for fs, paths in groups.values():
+        try:
+            fs.rm(paths)
+        except FileNotFoundError:
+            pass
+    return len(items)
 
 
 def _write_job_file(fs, job_file: str, base: str, spec: JobSpec, exclusive: bool = False) -> None:

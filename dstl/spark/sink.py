@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, Optional
 
 OUTPUT_LAYOUT = "batch_id={batch}"
 SINK_DIR = "_dstl_sink"
+#: how often (in batches) old sink markers are listed and pruned
+PRUNE_EVERY = 10
 
 
 def _fs(url: str):
@@ -36,18 +38,29 @@ def sink_done(base_path: str, batch: int, storage_options: Optional[Dict[str, An
     register_storage_options(base_path, storage_options)
     fs, path = _fs(_marker(base_path, batch))
     fs.invalidate_cache(path.rsplit("/", 1)[0])
-    return fs.exists(path)
+    # one ranged GET (a marker is never empty): `exists`, or a whole-file read, asks an object
+    # store for the size first, a HEAD and, for a missing marker, a LIST
+    try:
+        fs.cat_file(path, start=0, end=1)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def mark_sink_done(base_path: str, batch: int, checkpoint_id: int) -> None:
+    from dstl.changelog.fs import make_parent_dirs
+
     fs, path = _fs(_marker(base_path, batch))
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    make_parent_dirs(fs, path.rsplit("/", 1)[0])
     with fs.open(path, "wb") as f:
         f.write(f"checkpoint {checkpoint_id}\n".encode())
 
 
 def prune_markers(base_path: str, keep_from_batch: int) -> None:
-    """Drop the markers of batches before `keep_from_batch` (Spark never replays those)."""
+    """Drop the markers of batches before `keep_from_batch` (Spark never replays those); the
+    listing this takes runs once every PRUNE_EVERY batches, so old markers go in groups."""
+    if keep_from_batch % PRUNE_EVERY:
+        return
     fs, root = _fs(f"{base_path.rstrip('/')}/{SINK_DIR}")
     try:
         fs.invalidate_cache(root)

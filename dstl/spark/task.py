@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dstl.changelog.fs import filesystem
+from dstl.changelog.fs import filesystem, make_parent_dirs
 from dstl.config import StorageConfig
 from dstl.spark import faults, heap, slot_client
 from dstl.spark import task_figures as figures
@@ -122,7 +122,7 @@ def _write_staged(plan: CheckpointPlan, subtask: int, token: str, out, arrow_sch
         table = pa.Table.from_pandas(out[arrow_schema.names], schema=arrow_schema, preserve_index=False)
     path = f"{plan.staging_dir()}/part-{subtask:05d}-{token}.parquet"
     fs, fs_path = filesystem(path)
-    fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
+    make_parent_dirs(fs, fs_path.rsplit("/", 1)[0])
     with fs.open(fs_path, "wb") as f:
         pq.write_table(table, f)
     return path, table.num_rows

@@ -330,7 +330,8 @@ def _writer_of(fs, root: str, checkpoint_id: int) -> Dict[str, Any]:
     return info
 
 
-def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite: bool = False) -> str:
+def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite: bool = False,
+                     check_job: bool = True) -> str:
     """Write `metadata` atomically to `<base>/checkpoints/chk-<id>/_metadata`; returns that path.
 
     Refuses (CheckpointJobMismatchError) when the base path holds checkpoints of another job id, and
@@ -338,11 +339,14 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
     Without `overwrite` the create is exclusive and atomic on local disk and S3 (dstl.changelog.fs.
     create_file): of two writers racing for one id exactly one succeeds; other stores rely on the
     writer lease (dstl.state.fencing).
+
+    `check_job=False` skips reading the newest checkpoint back for its job id: for a writer that
+    holds the base path's lease and wrote that checkpoint itself (a LIST and a GET saved per write).
     """
     if not isinstance(metadata, CheckpointMetadata):
         raise TypeError(f"expected CheckpointMetadata, got {type(metadata).__name__}")
     fs, root = _fs(base_path)
-    if metadata.job_id is not None:
+    if check_job and metadata.job_id is not None:
         other = _existing_job_id(fs, root, exclude=metadata.job_id)
         if other is not None:
             raise CheckpointJobMismatchError(
@@ -368,7 +372,9 @@ def write_checkpoint(base_path: str, metadata: CheckpointMetadata, *, overwrite:
                 f"{checkpoint_path(base_path, metadata.checkpoint_id)}, written{who or ' earlier'}; "
                 f"base path {base_path.rstrip('/') if isinstance(base_path, str) else base_path} is being "
                 "written by another run: stop that query, or use another base path", holder) from None
-    if not _is_local(fs):
+    # an atomic create is one PUT the store acknowledges whole (S3 checks its length); elsewhere the
+    # write may have been cut short unnoticed, so its size is read back
+    if not _is_local(fs) and (overwrite or not dfs.has_atomic_create(fs)):
         fs.invalidate_cache(path.rsplit("/", 1)[0])
         size = fs.info(path)["size"]
         if size != len(data):

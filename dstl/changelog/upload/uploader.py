@@ -313,7 +313,7 @@ class StateChangeFsUploader(StateChangeUploader):
             return
         with self._dirs_lock:
             if not self._dirs_ready:
-                self._fs.makedirs(self._dir, exist_ok=True)
+                dfs.make_parent_dirs(self._fs, self._dir)
                 if self._local_dir:
                     os.makedirs(self._local_dir, exist_ok=True)
                 self._dirs_ready = True
