@@ -57,6 +57,7 @@ FAST_SPARK = (
     "tests/test_stream.py::test_vectorised_function_and_initial_state",
     "tests/test_spark_pipeline.py::test_cli_report_json_and_verify_catches_lost_output",
     "tests/test_spark_routing.py::test_local_mode_shuffles_big_batches_and_keeps_every_subtask_warm",
+    "tests/test_timer_rounds.py::test_processing_time_timer_fires_on_an_idle_stream",
 )
 # tests that use the `spark` fixture, are not heavy and not in FAST_SPARK (filled at collection)
 UNMARKED_SPARK: list = []
