@@ -130,7 +130,9 @@ class StatefulStream:
     `initial_state` (a DataFrame for `handleInitialState`, applied on the job's first batch),
     `clock` (ms; the batch timestamp, for tests), `retain` (checkpoints kept),
     `materialize_every` (changes logged per subtask before a compact snapshot), `resume_from` (roll
-    the job back to this retained checkpoint before the first batch; see `open`).
+    the job back to this retained checkpoint before the first batch; see `open`), `timer_interval`
+    (in a streaming query: run Spark's no-data batches as timer rounds on an idle stream, at most
+    this often; dstl.spark.timer_rounds).
 
     `storage_options`: the base path file system's keyword arguments, as pandas and fsspec take them
     (`{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`); they reach every process
