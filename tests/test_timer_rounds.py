@@ -8,6 +8,8 @@ import time
 import pandas as pd
 import pytest
 
+from conftest import heavy
+
 from dstl.spark.timer_rounds import round_due, spark_position
 from idle_processors import IDLE_OUTPUT, IdleTimeout
 from streaming_util import read_output, read_stream, write_json_batch
@@ -72,3 +74,91 @@ def test_processing_time_timer_fires_on_an_idle_stream(spark, tmp_path):
     from dstl.state.metadata import latest_checkpoint
 
     assert spark_position(latest_checkpoint(base).properties)[0] == 0
+
+
+# ---------------------------------------------------------------- against Spark's operator (heavy)
+IDLE_S = 14  # the issue's idle period after the one input file
+
+
+def _events(src) -> None:
+    src.mkdir()
+    write_json_batch(str(src), 0, pd.DataFrame({"user": ["a", "a", "b"], "kind": ["x"] * 3,
+                                                "value": [1, 2, 3], "ts_ms": [1000, 2000, 3000]}))
+
+
+def _collect_until_idle(query, seen, first_rows_at):
+    """Let the query run IDLE_S seconds after its first batch; return (rows, seconds after the
+    first batch each row arrived)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not first_rows_at:
+        time.sleep(0.2)
+    time.sleep(max(0.0, first_rows_at[0] + IDLE_S - time.monotonic()) if first_rows_at else 0)
+    query.stop()
+    return sorted((u, m) for _, u, m, _ in seen), [t - first_rows_at[0] for _, _, _, t in seen]
+
+
+def _sink(seen, first):
+    def sink(df, batch_id):
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+        for r in df.collect():
+            seen.append((batch_id, r["user"], r["message"], now))
+    return sink
+
+
+def _native(spark, src, processor, time_mode, api, ckpt):
+    from streaming_util import NATIVE_CONF, spark_conf
+
+    seen, first = [], []
+    conf = dict(NATIVE_CONF, **{"spark.sql.streaming.noDataMicroBatches.enabled": "true"})
+    with spark_conf(spark, conf):
+        events = read_stream(spark, str(src))
+        if time_mode == "EventTime":
+            events = events.withWatermark("ts", "0 seconds")
+        grouped = events.groupBy("user")
+        op = grouped.transformWithState if api == "row" else grouped.transformWithStateInPandas
+        out = op(processor, IDLE_OUTPUT, "Update", time_mode)
+        query = (out.writeStream.foreachBatch(_sink(seen, first)).option("checkpointLocation", ckpt)
+                 .trigger(processingTime="1 second").start())
+        return _collect_until_idle(query, seen, first)
+
+
+def _dstl(spark, src, processor, time_mode, api, base, ckpt):
+    from dstl.spark import StatefulStream
+
+    seen, first = [], []
+    extra = {"event_time_column": "ts", "watermark_delay": 0} if time_mode == "EventTime" else {}
+    stream = StatefulStream(base, processor, IDLE_OUTPUT, key="user", parallelism=2, time_mode=time_mode,
+                            api=api, timer_interval="1 second", sink=_sink(seen, first), **extra)
+    query = (read_stream(spark, str(src)).writeStream.foreachBatch(stream)
+             .option("checkpointLocation", ckpt).trigger(processingTime="1 second").start())
+    try:
+        return _collect_until_idle(query, seen, first)
+    finally:
+        stream.close()
+
+
+@heavy
+@pytest.mark.parametrize("time_mode", ["ProcessingTime", "EventTime"])
+@pytest.mark.parametrize("api", ["pandas", "row"])
+def test_idle_stream_gives_spark_operator_rows(spark, tmp_path, time_mode, api):
+    """One file, then 14 s of nothing under a 1 s trigger: the same timer rows as Spark's
+    transformWithState(InPandas), and (ProcessingTime) within one trigger interval of Spark's time."""
+    import idle_processors as ip
+
+    name = {"ProcessingTime": "IdleTimeout", "EventTime": "IdleSessionClose"}[time_mode]
+    processor = getattr(ip, ("Row" if api == "row" else "") + name)
+    src = tmp_path / "in"
+    _events(src)
+    native_rows, native_at = _native(spark, src, processor(), time_mode, api, str(tmp_path / "native-ckpt"))
+    dstl_rows, dstl_at = _dstl(spark, src, processor(), time_mode, api, str(tmp_path / "job"),
+                               str(tmp_path / "dstl-ckpt"))
+    assert native_rows == [("a", "timed out after 2"), ("b", "timed out after 1")]
+    assert dstl_rows == native_rows
+    import sys
+
+    sys.stderr.write(f"\n{time_mode}/{api}: timer rows at +{max(native_at):.1f} s (Spark), "
+                     f"+{max(dstl_at):.1f} s (dstl), after the first batch's sink call\n")
+    # both measured from the first batch's sink call; one trigger interval plus a round's own time
+    assert max(dstl_at) <= max(native_at) + 1.0 + 3.0, (dstl_at, native_at)
