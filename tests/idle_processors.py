@@ -25,6 +25,8 @@ def _count(rows) -> int:
 
 
 class _Base(StatefulProcessor):
+    timeout_ms = IDLE_TIMEOUT_MS
+
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
         self.seen = handle.getValueState("seen", "n long, timer long")
@@ -50,7 +52,7 @@ class IdleTimeout(_Base):
     """ProcessingTime, pandas flavour."""
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
-        self._arm(_count(rows), timerValues.getCurrentProcessingTimeInMs() + IDLE_TIMEOUT_MS)
+        self._arm(_count(rows), timerValues.getCurrentProcessingTimeInMs() + self.timeout_ms)
         return iter([])
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[pd.DataFrame]:
@@ -61,7 +63,7 @@ class RowIdleTimeout(_Base):
     """ProcessingTime, row flavour."""
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
-        self._arm(sum(1 for _ in rows), timerValues.getCurrentProcessingTimeInMs() + IDLE_TIMEOUT_MS)
+        self._arm(sum(1 for _ in rows), timerValues.getCurrentProcessingTimeInMs() + self.timeout_ms)
         return iter([])
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
@@ -90,3 +92,9 @@ class RowIdleSessionClose(_Base):
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
         yield Row(user=key[0], message=self._expire())
+
+
+class QuickTimeout(IdleTimeout):
+    """A 1 ms timeout: due in the first timer round after the batch (tests/timer_kill_driver.py)."""
+
+    timeout_ms = 1
