@@ -59,6 +59,7 @@ FAST_SPARK = (
     "tests/test_spark_routing.py::test_local_mode_shuffles_big_batches_and_keeps_every_subtask_warm",
     "tests/test_progress.py::test_a_streams_progress_from_the_stream_its_listener_the_checkpoint_and_state_ls",
     "tests/test_batch_errors.py::test_a_failed_batch_leads_with_its_cause",
+    "tests/test_timer_rounds.py::test_processing_time_timer_fires_on_an_idle_stream",
 )
 # tests that use the `spark` fixture, are not heavy and not in FAST_SPARK (filled at collection)
 UNMARKED_SPARK: list = []

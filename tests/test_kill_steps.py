@@ -465,6 +465,7 @@ def test_every_fault_point_is_documented():
                 with open(os.path.join(dirpath, f)) as fh:
                     names |= set(re.findall(r'faults\.point\(\s*f?"([a-z_.{}]+)"', fh.read()))
     names = {n.replace("{step}", s) for n in names for s in ("mid_write", "after_checkpoint")}
+    names = {n.replace("{at}", s) for n in names for s in ("stream", "timers")}
     names |= {k.point for k in ALL_KILLS}
     assert {"stream.before_tasks", "coordinator.mid_gc_files", "rescale.mid_write"} <= names
     undocumented = sorted(n for n in names if f"``{n}``" not in faults.__doc__)

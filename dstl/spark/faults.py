@@ -36,6 +36,11 @@ docs/semantics.md §15):
 ``stream.mid_sink``                 the user's sink returned (or there is none), its marker not
                                     written: for the restart, the same as a kill inside the sink
 ``stream.after_sink``               StatefulStream: sink called, foreachBatch not yet returned to Spark
+``timers.before_tasks``             a timer round (dstl.spark.timer_rounds) passes the stream's steps
+``timers.after_tasks``              under these names: ``timers.before_tasks``, ``timers.after_tasks``,
+``timers.after_checkpoint``         ``timers.after_checkpoint``, ``timers.mid_sink``,
+``timers.mid_sink``                 ``timers.after_sink`` (its batch: the round's dstl batch number)
+``timers.after_sink``
 ``rescale.mid_write``               ``dstl state rescale``: new subtask N's state uploaded (``@*/N``),
                                     no new checkpoint; no batch (match with ``@*``)
 ``rescale.after_checkpoint``        ``dstl state rescale``: new checkpoint durable, job file not updated

@@ -47,6 +47,7 @@ from dstl.spark.routing import NullKeyError, subtask_of
 from dstl.spark.session import SubtaskStage, application_of, ensure_importable_on_workers, struct_from_ddl
 from dstl.spark.sink import OUTPUT_LAYOUT, mark_sink_done, prune_markers, read_batch_output, sink_done
 from dstl.spark.task import arrow_output_schema
+from dstl.spark.timer_rounds import ROUND_SOURCE, TimerRounds, active_query_ids, round_due, spark_position
 from dstl.spark.watermark import DEFAULT_POLICY, POLICY_CONF, Watermarks, normalize_policy
 from dstl.state.evolution import plan_state_evolution
 from dstl.state.metadata import latest_checkpoint, list_checkpoints, read_checkpoint
@@ -130,7 +131,9 @@ class StatefulStream(P.ProgressHooks):
     `initial_state` (a DataFrame for `handleInitialState`, applied on the job's first batch),
     `clock` (ms; the batch timestamp, for tests), `retain` (checkpoints kept),
     `materialize_every` (changes logged per subtask before a compact snapshot), `resume_from` (roll
-    the job back to this retained checkpoint before the first batch; see `open`).
+    the job back to this retained checkpoint before the first batch; see `open`), `timer_interval`
+    (in a streaming query: run Spark's no-data batches as timer rounds on an idle stream, at most
+    this often; dstl.spark.timer_rounds).
 
     `storage_options`: the base path file system's keyword arguments, as pandas and fsspec take them
     (`{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}`); they reach every process
@@ -156,7 +159,7 @@ class StatefulStream(P.ProgressHooks):
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
                  resume_from: Optional[int] = None, api: str = "pandas",
-                 watermark_policy: Optional[str] = None):
+                 watermark_policy: Optional[str] = None, timer_interval: Any = None):
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
 
@@ -223,6 +226,14 @@ class StatefulStream(P.ProgressHooks):
         self.clock = clock or (lambda: int(time.time() * 1000))
         self.retain = retain
         self.backend_options = {"materialize_every_changes": materialize_every} if materialize_every else {}
+        if timer_interval is not None and self.time_mode == "None":
+            raise ValueError("timer_interval needs time_mode='ProcessingTime' or 'EventTime' (no timers otherwise)")
+        interval_ms = parse_delay_ms(timer_interval) if timer_interval is not None else 0
+        if timer_interval is not None and interval_ms <= 0:
+            raise ValueError(f"timer_interval must be a positive interval, got {timer_interval!r}")
+        #: seconds between timer rounds on an idle stream (dstl.spark.timer_rounds); 0: none
+        self.timer_interval_s = interval_ms / 1000.0
+        self._rounds: Optional[TimerRounds] = None
         self._output_struct = _parse_output_schema(output_schema)  # None: parsed at the first batch
         self._schemas = None
         #: {state: {"old": record, "new": record}} to convert in the next batch (a resume's first)
@@ -298,6 +309,7 @@ class StatefulStream(P.ProgressHooks):
         state["coordinator"] = None
         if "_stage" in state:
             state["_stage"] = None
+        state["_rounds"] = None
         return state
 
     def __call__(self, df, batch_id: int) -> "StreamBatchResult":
@@ -309,8 +321,45 @@ class StatefulStream(P.ProgressHooks):
         return self.process(df, self.open().next_batch, source="run")
 
     def process(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
+        rounds = self._timer_rounds(df) if source == "foreachBatch" else self._rounds
+        if rounds is None:
+            return self._process(df, batch_id, source)
+        with rounds.lock:  # never at the same time as a timer round
+            if rounds.error is not None:
+                err, rounds.error = rounds.error, None
+                raise RuntimeError(f"a timer round of the job at {self.base_path} failed: {err}") from err
+            try:
+                return self._process(df, batch_id, source)
+            finally:
+                rounds.batch_done()
+
+    def _timer_rounds(self, df) -> Optional[TimerRounds]:
+        """The timer-round thread of this stream in a streaming query (None: not asked for)."""
+        if not self.timer_interval_s or is_pandas(df):
+            return self._rounds
+        spark = df.sparkSession
+        if self._rounds is None:
+            self._rounds = TimerRounds(self.timer_interval_s, lambda: self._run_round(spark),
+                                       self._round_due, lambda: active_query_ids(spark))
+        self._round_schema = df.schema
+        self._rounds.watch(active_query_ids(spark))
+        return self._rounds
+
+    def _round_due(self) -> bool:
+        latest = self.open().latest
+        return round_due(self.time_mode, latest.properties if latest is not None else None)
+
+    def _run_round(self, spark) -> "StreamBatchResult":
+        """One timer round: an empty input as dstl's next batch (dstl.spark.timer_rounds)."""
+        empty = spark.createDataFrame([], self._round_schema)
+        return self._run_batch(empty, self.open().next_batch, ROUND_SOURCE)
+
+    def _process(self, df, batch_id: int, source: str) -> "StreamBatchResult":
         coord = self.open()
-        expected = coord.next_batch
+        spark_done, spark_batch = spark_position(coord.latest.properties if coord.latest is not None else None)
+        expected = spark_done + 1
+        if source == "run":
+            batch_id = expected
         if batch_id < expected:
             if coord.latest.properties.get("source") == "run":
                 # not a replay: Spark's ids would silently skip this batch's rows
@@ -319,7 +368,7 @@ class StatefulStream(P.ProgressHooks):
                     f"already holds batches up to {expected - 1} from run(); a query's batch ids must "
                     f"continue the job's (start it with a fresh checkpoint location only after "
                     f"{expected} batches, or give the job its own base path)")
-            return self._replay(batch_id, df)
+            return self._replay(batch_id, df, spark_batch if batch_id == spark_done else None)
         if batch_id > expected:
             done = "no batch yet" if expected == 0 else f"batches up to {expected - 1}"
             if coord.rolled_back is not None:
@@ -333,11 +382,16 @@ class StatefulStream(P.ProgressHooks):
                 f"batch {batch_id} arrived, but the job at {self.base_path} has completed {done}: batch "
                 f"ids must follow each other (was the Spark checkpoint location replaced, or another "
                 f"query's used?)")
-        return self._run_batch(df, batch_id, source)
+        if coord.latest is not None and spark_batch < coord.next_batch - 1:
+            # timer rounds after the last Spark batch whose sink a driver crash cut short
+            self._deliver_committed(self._session_of(df), range(spark_batch + 1, coord.next_batch), -1)
+        return self._run_batch(df, coord.next_batch, source, spark_id=batch_id)
 
     def close(self) -> None:
-        """After the last batch (query stopped): delete changelog files no checkpoint needs, and
-        release the placement anchor."""
+        """After the last batch (query stopped): stop the timer rounds, delete changelog files no
+        checkpoint needs, and release the placement anchor."""
+        if self._rounds is not None:
+            self._rounds.stop()
         if self._stage is not None:
             self._stage.close()
             self._stage = None
@@ -369,8 +423,15 @@ class StatefulStream(P.ProgressHooks):
             raise RuntimeError("a pandas batch needs an active SparkSession")
         return spark
 
-    def _run_batch(self, df, batch_id: int, source: str = "foreachBatch") -> "StreamBatchResult":
+    def _run_batch(self, df, batch_id: int, source: str = "foreachBatch",
+                   spark_id: Optional[int] = None) -> "StreamBatchResult":
+        """dstl batch `batch_id`: Spark's batch `spark_id`, or a timer round (`spark_id` None)."""
         coord = self.coordinator
+        at = "timers" if spark_id is None else "stream"  # the fault points' prefix
+        if spark_id is None:
+            last_spark, last_batch = spark_position(coord.latest.properties if coord.latest is not None else None)
+        else:
+            last_spark, last_batch = spark_id, batch_id
         # a small pandas batch is broadcast, everything else shuffled; looked up on the module, where
         # bench/scale_route.py replaces it to force the broadcast route
         route = routing.choose_route(df)
@@ -415,7 +476,8 @@ class StatefulStream(P.ProgressHooks):
             after = marks.advance(maxima, self.watermark_delays_ms)
             fired = sum(r.metric("timers_fired") for r in reports)
             counted.update(late=late, watermark_ms=after.eviction_ms, fired=fired)
-            return {"spark_batch_id": batch_id, "source": source, "batch_timestamp_ms": batch_ts,
+            return {"spark_batch_id": spark_id, "source": source, "batch_timestamp_ms": batch_ts,
+                    "last_spark_batch_id": last_spark, "last_spark_batch": last_batch,
                     "late_rows": late, "null_rows_dropped": sum(r.metric("null_rows") for r in reports),
                     "time_mode": self.time_mode, "state_schemas": self._schemas or {},
                     "timers_fired": fired, "progress": P.checkpoint_figures(reports), **after.properties(marks)}
@@ -424,15 +486,15 @@ class StatefulStream(P.ProgressHooks):
                         parallelism=self.parallelism, stage_for=self._stage_for, spark=spark, batch_id=batch_id,
                         null_keys=self.null_keys, route=route, extend=with_event_ms, make_fn=task_fn,
                         plan_changes={"call_without_rows": self.is_processor},
-                        before_tasks=lambda: faults.point("stream.before_tasks", batch_id),
-                        after_tasks=lambda: faults.point("stream.after_tasks", batch_id),
+                        before_tasks=lambda: faults.point(f"{at}.before_tasks", batch_id),
+                        after_tasks=lambda: faults.point(f"{at}.after_tasks", batch_id),
                         properties=properties,
-                        after_metadata=lambda: faults.point("stream.after_checkpoint", batch_id))
+                        after_metadata=lambda: faults.point(f"{at}.after_checkpoint", batch_id))
         evolved = sorted(self._evolutions)
         self._evolutions = {}  # the checkpoint holds the new layout and records the new schemas
-        sink_called = self._deliver(spark, batch_id, run.plan.checkpoint_id)
+        sink_called = self._deliver(spark, batch_id, run.plan.checkpoint_id, at)
         t_end = time.perf_counter()
-        faults.point("stream.after_sink", batch_id)
+        faults.point(f"{at}.after_sink", batch_id)
         res = StreamBatchResult(
             **run.result_fields(rows_dropped=counted["late"]),  # rows_in: what the processor was given
             batch_id=batch_id, late_rows=counted["late"], null_rows=run.null_rows,
@@ -474,7 +536,7 @@ class StatefulStream(P.ProgressHooks):
             initial_schema=init_schema if hasattr(init_schema, "fields") else None,
             output_arrow_schema=arrow_output_schema(out_schema))
 
-    def _deliver(self, spark, batch_id: int, checkpoint_id: int) -> bool:
+    def _deliver(self, spark, batch_id: int, checkpoint_id: int, at: str = "stream") -> bool:
         """Call the sink for a committed batch unless it already returned; True if called."""
         if sink_done(self.base_path, batch_id):
             return False
@@ -483,22 +545,26 @@ class StatefulStream(P.ProgressHooks):
             out = read_batch_output(spark, self.coordinator.batch_output_dir(batch_id), self._output_struct_type())
             self.sink(out, batch_id)
             called = True
-        faults.point("stream.mid_sink", batch_id)
+        faults.point(f"{at}.mid_sink", batch_id)
         mark_sink_done(self.base_path, batch_id, checkpoint_id)
         prune_markers(self.base_path, batch_id - 10)
         return called
 
-    def _replay(self, batch_id: int, df) -> "StreamBatchResult":
-        """A batch id already in a completed checkpoint: no state change; finish output and sink."""
+    def _replay(self, batch_id: int, df, own: Optional[int] = None) -> "StreamBatchResult":
+        """A batch id already in a completed checkpoint: no state change; finish output and sink
+        of its dstl batch `own` and the timer rounds after it (None: only an older checkpoint had it)."""
         coord = self.coordinator
         latest = coord.latest
         spark = self._session_of(df) if df is not None else None
         called = False
-        committed = coord.batch_output_dir(batch_id)
-
-        fs, path = filesystem(committed)
-        if fs.exists(f"{path}/_SUCCESS") and spark is not None:
-            called = self._deliver(spark, batch_id, latest.checkpoint_id)
+        last = int(latest.properties["batch"])
+        spark_done, _ = spark_position(latest.properties)
+        if own is not None:
+            todo = range(own, last + 1)
+        else:  # an older batch: its folder has Spark's id only while no timer round has run
+            todo = [batch_id] if spark_done == last else []
+        if spark is not None:
+            called = self._deliver_committed(spark, todo, own)
         log.info("batch %d is already in checkpoint %s: replay changes no state", batch_id,
                  latest.checkpoint_id)
         stats = CheckpointStats(latest.checkpoint_id, batch_id, 0.0, 0.0, 0.0, 0, 0, 0, 0)
@@ -509,6 +575,18 @@ class StatefulStream(P.ProgressHooks):
                                 sink_called=called)
         self.results.append(res)
         return res
+
+    def _deliver_committed(self, spark, batches, own: Optional[int] = None) -> bool:
+        """Finish the sink calls of committed dstl `batches` (`own`: the Spark batch among them; the
+        others are timer rounds). True if the sink was called."""
+        coord = self.coordinator
+        called = False
+        for b in batches:
+            fs, path = filesystem(coord.batch_output_dir(b))
+            if fs.exists(f"{path}/_SUCCESS"):
+                at = "timers" if own is not None and b != own else "stream"
+                called = self._deliver(spark, b, coord.latest.checkpoint_id, at) or called
+        return called
 
     def _initial_by_subtask(self, maxp: int):
         """The initial state rows per subtask (collected to the driver once, on the first batch)."""
