@@ -35,6 +35,7 @@ _EXPORTS: Dict[str, str] = {
     "bootstrap_state": "dstl.spark.bootstrap", "read_timers": "dstl.spark.state_reader",
     "rewind_query_checkpoint": "dstl.spark.query_checkpoint",
     "SlotMemoryError": "dstl.spark.memory_limit",
+    "AutoscalePolicy": "dstl.spark.autoscale",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -37,8 +37,10 @@ from dstl.changelog.fs import filesystem, probe_base_path
 from dstl.config import storage_config
 from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, compute_default_max_parallelism
 from dstl.spark import faults, routing
+from dstl.spark.autoscale import AutoscalePolicy
 from dstl.spark.batch import BatchResult, is_pandas, run_batch
 from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, CheckpointStats, JobConflictError, JobSpec
+from dstl.spark.live_rescale import check_rescale, rescaled_from
 from dstl.spark.keys import KEY_COL, check_key_types, normalize_keys, pack_columns
 from dstl.spark.processor import (BatchContext, declared_schemas, is_stateful_processor, make_task_fn, normalize_api,
                                   normalize_time_mode)
@@ -82,6 +84,10 @@ class StreamBatchResult(BatchResult):
     phases_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
     #: how the rows reached their subtasks: "shuffle" or "broadcast" (dstl.spark.routing)
     route: str = ""
+    #: the number of subtasks this batch ran with
+    parallelism: int = 0
+    #: the parallelism before this batch when it moved state to a new one (rescale), else None
+    rescaled_from: Optional[int] = None
 
 
 _UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 1000, "second": 1000,
@@ -146,7 +152,7 @@ class StatefulStream:
     #: the operator id in the job file (bootstrap_state(..., operator_id=StatefulStream.operator_id))
     operator_id = OPERATOR_ID
 
-    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: Any, parallelism: int,
+    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: Any, parallelism: Any,
                  max_parallelism: Optional[int] = None, time_mode: str = "None",
                  event_time_column: Any = None, watermark_delay: Any = None,
                  output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
@@ -155,7 +161,7 @@ class StatefulStream:
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
                  resume_from: Optional[int] = None, api: str = "pandas",
-                 watermark_policy: Optional[str] = None):
+                 watermark_policy: Optional[str] = None, autoscale: Any = None):
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
 
@@ -167,7 +173,16 @@ class StatefulStream:
         if self.api == "row" and not self.is_processor:
             raise ValueError("api='row' is for a StatefulProcessor written for transformWithState; a "
                              "vectorised fn(rows, state) always gets a pandas DataFrame")
+        self.autoscale = None
+        if parallelism == "auto":
+            if autoscale is None:
+                raise ValueError('parallelism="auto" needs autoscale=(min, max) bounds')
+            self.autoscale = AutoscalePolicy.of(autoscale, max_parallelism)
+            parallelism = self.autoscale.min_parallelism
+        elif autoscale is not None:
+            raise ValueError(f'autoscale={autoscale!r} needs parallelism="auto", got parallelism={parallelism!r}')
         self.parallelism = _check_int("parallelism", parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
+        self._ran_with: Optional[int] = None  # the parallelism of the last batch this object ran
         # validated once, here at the boundary; the stored value wins on resume
         self.max_parallelism = None if max_parallelism is None else _check_int(
             "max_parallelism", max_parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
@@ -287,6 +302,11 @@ class StatefulStream:
     def max_parallelism_in_use(self) -> int:
         return self.open().spec.max_parallelism
 
+    def rescale(self, parallelism: int) -> None:
+        """Run the next micro-batch with `parallelism` subtasks, in this query (docs/rescaling.md,
+        "Live rescale"). Raises ValueError, changing nothing, outside 1..max parallelism."""
+        self.parallelism = check_rescale(parallelism, self.open().spec.max_parallelism)
+
     # ---------------------------------------------------------------- entry points
     def __getstate__(self) -> Dict[str, Any]:
         # Spark Connect pickles the foreachBatch function to the server's foreachBatch worker: the
@@ -350,6 +370,9 @@ class StatefulStream:
             else:
                 self._stage.close()
                 self._stage = None
+        if self._stage is not None and self._stage.parallelism != self.parallelism:
+            self._stage.close()  # rescaled: a new anchor places the new number of subtasks
+            self._stage = None
         if self._stage is None:
             self._stage = SubtaskStage(spark, self.parallelism)
         return self._stage
@@ -438,7 +461,15 @@ class StatefulStream:
             phases_ms={"prepare": (run.prepared - run.started) * 1e3, "tasks": (run.tasks_done - run.prepared) * 1e3,
                        "commit": (t_end - run.tasks_done) * 1e3})
         res.seconds = time.perf_counter() - run.started
+        res.parallelism = run.plan.parallelism
+        res.rescaled_from = rescaled_from(latest, run.plan.parallelism)
         self.results.append(res)
+        if self.autoscale is not None:
+            nxt = self.autoscale.observe(res.parallelism, res.seconds, res.rescaled_from is not None)
+            if nxt != self.parallelism:
+                log.info("autoscale: batch %d took %.2fs at parallelism %d; the next batch runs at %d",
+                         batch_id, res.seconds, res.parallelism, nxt)
+                self.rescale(nxt)
         return res
 
     def _watermarks(self, spark, latest):
