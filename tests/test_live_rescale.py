@@ -14,6 +14,8 @@ pytest.importorskip("pyspark.sql.streaming.stateful_processor",
 
 from pyspark import cloudpickle  # noqa: E402
 
+from conftest import heavy  # noqa: E402
+
 from dstl.spark import StatefulJob, StatefulStream  # noqa: E402
 from dstl.spark.coordinator import CheckpointCoordinator, JobSpec  # noqa: E402
 from dstl.state.metadata import latest_checkpoint  # noqa: E402
@@ -71,6 +73,7 @@ def test_rescale_bounds_checked_before_anything_changes(spark, tmp_path):
     assert auto.parallelism == 2 and auto.autoscale.max_parallelism == 4
 
 
+@heavy
 def test_job_rescale_between_batches(spark, tmp_path):
     base = str(tmp_path / "job")
     coord = CheckpointCoordinator.open(base, JobSpec.new("count", 8, base + "/output"),
