@@ -54,6 +54,8 @@ heavy_twins = pytest.mark.heavy(twins=True)
 # under the Cython build only (the twins' Spark runs are in the full tier). Every other test that
 # starts Spark is heavy (tests/test_tiers.py checks).
 FAST_SPARK = (
+    "tests/test_live_rescale.py::test_live_rescale_2_3_1_exact_output",
+    "tests/test_live_rescale.py::test_rescale_bounds_checked_before_anything_changes",
     "tests/test_stream.py::test_vectorised_function_and_initial_state",
     "tests/test_spark_pipeline.py::test_cli_report_json_and_verify_catches_lost_output",
     "tests/test_spark_routing.py::test_local_mode_shuffles_big_batches_and_keeps_every_subtask_warm",

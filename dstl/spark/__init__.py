@@ -37,6 +37,7 @@ _EXPORTS: Dict[str, str] = {
     "SlotMemoryError": "dstl.spark.memory_limit",
     "progress_of": "dstl.spark.progress", "ProcessorError": "dstl.spark.errors",
     "OutputSchemaError": "dstl.spark.errors", "SlotError": "dstl.spark.errors",
+    "AutoscalePolicy": "dstl.spark.autoscale",
 }
 __all__ = sorted(_EXPORTS)
 

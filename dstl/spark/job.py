@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from dstl.spark import progress as P
 from dstl.spark.batch import BatchResult, is_pandas, run_batch
 from dstl.spark.coordinator import CheckpointCoordinator
+from dstl.spark.live_rescale import check_rescale
 from dstl.spark.session import SubtaskStage
 from dstl.spark.task import count_null_keys
 
@@ -52,7 +53,16 @@ class StatefulJob(P.ProgressHooks):
             self._stage.close()
             self._stage = None
 
+    def rescale(self, parallelism: int) -> None:
+        """Run the next batch with `parallelism` subtasks: key groups move to their new subtasks,
+        restored from this host's local copies where it can. ValueError, changing nothing, outside
+        1..the job's max parallelism."""
+        self.parallelism = check_rescale(parallelism, self.coordinator.spec.max_parallelism)
+
     def _stage_for(self, spark) -> SubtaskStage:
+        if self._stage is not None and self._stage.parallelism != self.parallelism:
+            self._stage.close()  # rescaled: a new anchor places the new number of subtasks
+            self._stage = None
         if self._stage is None:
             self._stage = SubtaskStage(spark, self.parallelism)
         return self._stage

@@ -38,8 +38,10 @@ from dstl.config import storage_config
 from dstl.keygroups import UPPER_BOUND_MAX_PARALLELISM, compute_default_max_parallelism
 from dstl.spark import faults, routing
 from dstl.spark import progress as P
+from dstl.spark.autoscale import AutoscalePolicy
 from dstl.spark.batch import BatchResult, is_pandas, run_batch
 from dstl.spark.coordinator import JOB_FILE, CheckpointCoordinator, CheckpointStats, JobConflictError, JobSpec
+from dstl.spark.live_rescale import check_rescale, rescaled_from
 from dstl.spark.keys import KEY_COL, check_key_types, normalize_keys, pack_columns
 from dstl.spark.processor import (BatchContext, declared_schemas, is_stateful_processor, make_task_fn, normalize_api,
                                   normalize_time_mode)
@@ -84,6 +86,10 @@ class StreamBatchResult(BatchResult):
     phases_ms: Dict[str, float] = dataclasses.field(default_factory=dict)
     #: how the rows reached their subtasks: "shuffle" or "broadcast" (dstl.spark.routing)
     route: str = ""
+    #: the number of subtasks this batch ran with
+    parallelism: int = 0
+    #: the parallelism before this batch when it moved state to a new one (rescale), else None
+    rescaled_from: Optional[int] = None
 
 
 _UNITS_MS = {"ms": 1, "millisecond": 1, "milliseconds": 1, "s": 1000, "sec": 1000, "second": 1000,
@@ -150,7 +156,7 @@ class StatefulStream(P.ProgressHooks):
     #: the operator id in the job file (bootstrap_state(..., operator_id=StatefulStream.operator_id))
     operator_id = OPERATOR_ID
 
-    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: Any, parallelism: int,
+    def __init__(self, base_path: str, processor: Any, output_schema: Any, *, key: Any, parallelism: Any,
                  max_parallelism: Optional[int] = None, time_mode: str = "None",
                  event_time_column: Any = None, watermark_delay: Any = None,
                  output_path: Optional[str] = None, sink: Optional[Callable[[Any, int], None]] = None,
@@ -159,7 +165,7 @@ class StatefulStream(P.ProgressHooks):
                  initial_state: Any = None, clock: Optional[Callable[[], int]] = None, retain: int = 2,
                  materialize_every: Optional[int] = DEFAULT_MATERIALIZE_EVERY,
                  resume_from: Optional[int] = None, api: str = "pandas",
-                 watermark_policy: Optional[str] = None, timer_interval: Any = None):
+                 watermark_policy: Optional[str] = None, timer_interval: Any = None, autoscale: Any = None):
         if not isinstance(base_path, str) or not base_path:
             raise ValueError(f"base_path must be a non-empty path or URL, got {base_path!r}")
 
@@ -171,7 +177,16 @@ class StatefulStream(P.ProgressHooks):
         if self.api == "row" and not self.is_processor:
             raise ValueError("api='row' is for a StatefulProcessor written for transformWithState; a "
                              "vectorised fn(rows, state) always gets a pandas DataFrame")
+        self.autoscale = None
+        if parallelism == "auto":
+            if autoscale is None:
+                raise ValueError('parallelism="auto" needs autoscale=(min, max) bounds')
+            self.autoscale = AutoscalePolicy.of(autoscale, max_parallelism)
+            parallelism = self.autoscale.min_parallelism
+        elif autoscale is not None:
+            raise ValueError(f'autoscale={autoscale!r} needs parallelism="auto", got parallelism={parallelism!r}')
         self.parallelism = _check_int("parallelism", parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
+        self._ran_with: Optional[int] = None  # the parallelism of the last batch this object ran
         # validated once, here at the boundary; the stored value wins on resume
         self.max_parallelism = None if max_parallelism is None else _check_int(
             "max_parallelism", max_parallelism, 1, UPPER_BOUND_MAX_PARALLELISM)
@@ -301,6 +316,11 @@ class StatefulStream(P.ProgressHooks):
     def max_parallelism_in_use(self) -> int:
         return self.open().spec.max_parallelism
 
+    def rescale(self, parallelism: int) -> None:
+        """Run the next micro-batch with `parallelism` subtasks, in this query (docs/rescaling.md,
+        "Live rescale"). Raises ValueError, changing nothing, outside 1..max parallelism."""
+        self.parallelism = check_rescale(parallelism, self.open().spec.max_parallelism)
+
     # ---------------------------------------------------------------- entry points
     def __getstate__(self) -> Dict[str, Any]:
         # Spark Connect pickles the foreachBatch function to the server's foreachBatch worker: the
@@ -398,17 +418,21 @@ class StatefulStream(P.ProgressHooks):
         if self.coordinator is not None:
             self.coordinator.finish()
 
-    def _stage_for(self, spark):
-        """The stage that keeps subtask i on its executor: kept across the session objects of one
-        application (the placement carries over), a new one for another application."""
+    def _stage_for(self, spark, parallelism: int):
+        """The stage of `parallelism` tasks that keeps subtask i on its executor: kept across the
+        session objects of one application (the placement carries over), a new one for another
+        application or another parallelism."""
         if self._stage is not None and self._stage.spark is not spark:
             if application_of(self._stage.spark) == application_of(spark):
                 self._stage.rebind(spark)
             else:
                 self._stage.close()
                 self._stage = None
+        if self._stage is not None and self._stage.parallelism != parallelism:
+            self._stage.close()  # rescaled: a new anchor places the new number of subtasks
+            self._stage = None
         if self._stage is None:
-            self._stage = SubtaskStage(spark, self.parallelism)
+            self._stage = SubtaskStage(spark, parallelism)
         return self._stage
 
     # ---------------------------------------------------------------- one batch
@@ -428,6 +452,8 @@ class StatefulStream(P.ProgressHooks):
         """dstl batch `batch_id`: Spark's batch `spark_id`, or a timer round (`spark_id` None)."""
         coord = self.coordinator
         at = "timers" if spark_id is None else "stream"  # the fault points' prefix
+        # read once: rescale() from another thread during this batch takes effect at the next one
+        parallelism = self.parallelism
         if spark_id is None:
             last_spark, last_batch = spark_position(coord.latest.properties if coord.latest is not None else None)
         else:
@@ -460,7 +486,7 @@ class StatefulStream(P.ProgressHooks):
                                late_watermark_ms=marks.late_ms,
                                key_columns=self.keys if len(self.keys) > 1 else None)
             ctx = self._row_context(ctx, spark, keyed, out_schema)  # the pandas flavour needs the time zone too
-            initial = self._initial_by_subtask(maxp) if latest is None else None
+            initial = self._initial_by_subtask(maxp, parallelism) if latest is None else None
             return make_task_fn(self.processor, self.key, ctx, initial, event_cols=et_cols,
                                 evolutions=self._evolutions)
 
@@ -483,7 +509,8 @@ class StatefulStream(P.ProgressHooks):
                     "timers_fired": fired, "progress": P.checkpoint_figures(reports), **after.properties(marks)}
 
         run = run_batch(coord, df, self.processor, self._output_struct_type(), key=self.key,
-                        parallelism=self.parallelism, stage_for=self._stage_for, spark=spark, batch_id=batch_id,
+                        parallelism=parallelism, stage_for=lambda s: self._stage_for(s, parallelism),
+                        spark=spark, batch_id=batch_id,
                         null_keys=self.null_keys, route=route, extend=with_event_ms, make_fn=task_fn,
                         plan_changes={"call_without_rows": self.is_processor},
                         before_tasks=lambda: faults.point(f"{at}.before_tasks", batch_id),
@@ -503,8 +530,16 @@ class StatefulStream(P.ProgressHooks):
             phases_ms={"prepare": (run.prepared - run.started) * 1e3, "tasks": (run.tasks_done - run.prepared) * 1e3,
                        "commit": (t_end - run.tasks_done) * 1e3})
         res.seconds = time.perf_counter() - run.started
+        res.parallelism = run.plan.parallelism
+        res.rescaled_from = rescaled_from(latest, run.plan.parallelism)
         self.results.append(res)
-        self.progress.publish(P.batch_progress(res, self.parallelism, **P.query_ids(spark)))
+        self.progress.publish(P.batch_progress(res, res.parallelism, **P.query_ids(spark)))
+        if self.autoscale is not None:
+            nxt = self.autoscale.observe(res.parallelism, res.seconds, res.rescaled_from is not None)
+            if nxt != self.parallelism:
+                log.info("autoscale: batch %d took %.2fs at parallelism %d; the next batch runs at %d",
+                         batch_id, res.seconds, res.parallelism, nxt)
+                self.rescale(nxt)
         return res
 
     def _watermarks(self, spark, latest):
@@ -588,7 +623,7 @@ class StatefulStream(P.ProgressHooks):
                 called = self._deliver(spark, b, coord.latest.checkpoint_id, at) or called
         return called
 
-    def _initial_by_subtask(self, maxp: int):
+    def _initial_by_subtask(self, maxp: int, parallelism: int):
         """The initial state rows per subtask (collected to the driver once, on the first batch)."""
         if self.initial_state is None:
             return None
@@ -610,7 +645,7 @@ class StatefulStream(P.ProgressHooks):
                 raise NullKeyError(f"key column {self.key!r} has {nulls} null value(s) in initial_state; "
                                    f"pass null_keys='drop' to drop them")
             pdf = pdf[pdf[self.key].notna()]
-        subs = subtask_of(pdf[self.key], maxp, self.parallelism)
+        subs = subtask_of(pdf[self.key], maxp, parallelism)
         return {i: pdf[subs == i].reset_index(drop=True) for i in np.unique(subs).tolist()}
 
 
