@@ -393,9 +393,11 @@ def run_pipeline(opts: Options, spark=None, stream=None) -> Report:
                     rolled_back=None if coord.rolled_back is None else asdict(coord.rolled_back))
     own_session = False
     if spark is None:
-        from pyspark.sql import SparkSession
+        from pyspark import SparkContext  # PySpark: only when the pipeline runs
 
-        own_session = SparkSession.getActiveSession() is None
+        # getOrCreate hands back any context this process already runs (a caller's, a test
+        # suite's), whether or not its session is active in this thread: stop only one made here
+        own_session = SparkContext._active_spark_context is None
     session = spark if spark is not None else spark_session(args.master)
     try:
         with _armed_faults(args, coord, session):
